@@ -1,0 +1,86 @@
+"""The Python API: load a target (and a drafter) once, then generate or stream text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .drafters import build_drafter
+from .engine import Stats, decode
+from .errors import SpecDecodeError
+from .models.base import CausalLM
+from .models.loading import load_model
+from .sampling import SamplingParams
+
+
+@dataclass
+class Chunk:
+    text: str  # text completed by this step (may be empty while a multi-byte character is incomplete)
+    token_ids: list[int]  # the step's new tokens
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]  # new tokens only
+    stats: Stats
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, **self.stats.as_dict()}
+
+
+class SpecDecoder:
+    """SpecDecoder("qwen2.5-coder-1.5b-instruct", drafter="draft", draft_model="qwen2.5-coder-0.5b-instruct")."""
+
+    def __init__(
+        self,
+        model: str | CausalLM,
+        drafter: str = "none",
+        draft_model: str | CausalLM | None = None,
+        dtype: str = "bfloat16",
+        **drafter_options,
+    ):
+        self.target = load_model(model, dtype)
+        if draft_model is not None:
+            draft_model = load_model(draft_model, dtype)
+        self.drafter = build_drafter(drafter, self.target, draft_model=draft_model, **drafter_options)
+        self.tokenizer = self.target.tokenizer
+
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: ids as they are, text, or chat messages (with the model's chat template)."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if chat or isinstance(prompt, list):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SpecDecodeError(f"{self.target.name} has no chat template.", "Drop --chat.")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer(prompt)["input_ids"]
+
+    def stream(
+        self, prompt, max_new_tokens: int = 128, chat: bool = False, stats: Stats | None = None, **sampling
+    ) -> Iterator[Chunk]:
+        """Yield each step's new tokens with the text they complete; pass a Stats to read statistics afterwards."""
+        ids = self.encode(prompt, chat)
+        tokens: list[int] = []
+        shown = ""
+        for step in decode(self.target, self.drafter, ids, max_new_tokens, SamplingParams(**sampling), stats):
+            tokens.extend(step)
+            text = self.decode_text(tokens)
+            if text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                yield Chunk("", step)
+                continue
+            yield Chunk(text[len(shown) :], step)
+            shown = text
+        rest = self.decode_text(tokens)[len(shown) :]
+        if rest:
+            yield Chunk(rest, [])
+
+    def generate(self, prompt, max_new_tokens: int = 128, chat: bool = False, **sampling) -> Result:
+        stats = Stats()
+        tokens = [t for c in self.stream(prompt, max_new_tokens, chat, stats, **sampling) for t in c.token_ids]
+        return Result(self.decode_text(tokens), tokens, stats)
+
+    def decode_text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)

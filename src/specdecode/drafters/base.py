@@ -1,0 +1,61 @@
+"""The Drafter interface and its registry.
+
+A drafter proposes a token tree below the last committed token; the engine verifies it with the target and
+tells the drafter what was accepted. A new method is one file with a class decorated by @register("name").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from ..errors import SpecDecodeError
+from ..sampling import SamplingParams
+from ..tree import Draft
+from ..verify import Verdict
+
+DRAFTERS: dict[str, type["Drafter"]] = {}
+
+
+def register(name: str):
+    def decorate(cls: type[Drafter]) -> type[Drafter]:
+        cls.name = name
+        DRAFTERS[name] = cls
+        return cls
+
+    return decorate
+
+
+class Drafter(ABC):
+    name: ClassVar[str]
+    needs_draft_model: ClassVar[bool] = False  # True: the constructor takes draft_model=<CausalLM>
+    supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
+    max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
+
+    def start(self, prompt_ids: list[int], capacity: int) -> None:
+        """A new request: reset per-request state. capacity = longest context this request can reach."""
+
+    @abstractmethod
+    def propose(self, context: list[int], params: SamplingParams, generator: torch.Generator) -> Draft:
+        """A draft tree below context[-1] (the last committed token, not yet in the target's cache)."""
+
+    def commit(self, verdict: Verdict) -> None:
+        """The target accepted verdict.accepted and appended verdict.bonus; roll own state forward or back."""
+
+
+def build_drafter(name: str, target, **options) -> Drafter:
+    if name not in DRAFTERS:
+        raise SpecDecodeError(f"unknown drafter '{name}'.", f"Choose one of: {', '.join(sorted(DRAFTERS))}.")
+    cls = DRAFTERS[name]
+    if cls.needs_draft_model and options.get("draft_model") is None:
+        raise SpecDecodeError(
+            f"drafter '{name}' needs a draft model.", "Pass --draft-model NAME (a smaller model with the same tokenizer)."
+        )
+    if not cls.needs_draft_model:
+        options.pop("draft_model", None)
+    try:
+        return cls(target, **options)
+    except TypeError as exc:  # unknown or malformed option
+        raise SpecDecodeError(f"bad option for drafter '{name}': {exc}.", "Check the drafter's options.") from None

@@ -1,0 +1,40 @@
+"""Prompt lookup decoding (Saxena, 2023): continue the longest recent n-gram match found in the context.
+
+Several matches with different continuations become branches of one deterministic tree (draft_probs None).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..tree import Draft, from_sequences
+from .base import Drafter, register
+
+
+@register("pld")
+class PromptLookupDrafter(Drafter):
+    def __init__(self, target, max_ngram: int = 3, min_ngram: int = 1, k: int = 8, branches: int = 1):
+        if not 1 <= min_ngram <= max_ngram or k < 1 or branches < 1:
+            raise TypeError("need 1 <= min_ngram <= max_ngram, k >= 1 and branches >= 1")
+        self.max_ngram, self.min_ngram, self.k, self.branches = max_ngram, min_ngram, k, branches
+        self.max_nodes = k * branches
+
+    def propose(self, context, params, generator) -> Draft:
+        return from_sequences(find_continuations(context, self.max_ngram, self.min_ngram, self.k, self.branches))
+
+
+def find_continuations(context: list[int], max_ngram: int, min_ngram: int, k: int, branches: int) -> list[list[int]]:
+    """Up to `branches` distinct continuations of <= k tokens that followed earlier occurrences of the context's
+    last n tokens; longer n-grams first, then the most recent occurrence first."""
+    ctx = np.asarray(context, dtype=np.int64)
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [L-n, n], excludes the tail itself
+        starts = np.flatnonzero((windows == ctx[-n:]).all(axis=1))[::-1]  # most recent first
+        for start in starts:
+            continuation = ctx[start + n : start + n + k].tolist()
+            if continuation and continuation not in found:
+                found.append(continuation)
+                if len(found) == branches:
+                    return found
+    return found

@@ -1,0 +1,135 @@
+"""The decode loop. It knows interfaces only: a drafter proposes a tree, the target scores it in one forward,
+the verifier picks the accepted path plus one bonus token, and the cache keeps that path."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters import Drafter
+from .errors import SpecDecodeError
+from .models.base import CausalLM, forward_tree, prefill
+from .sampling import SamplingParams, sample, probs_from_logits
+from .verify import Verifier, verifier_for
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # the prefill counts: it yields the first token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens accepted (bonus tokens excluded)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    seconds: float = 0.0
+    finish_reason: str = ""
+    accepted_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward, bonus included (EAGLE / Spec-Bench convention)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "accepted_per_step"}
+        out.update(tau=self.tau, tokens_per_second=self.tokens_per_second, acceptance_rate=self.acceptance_rate)
+        return out
+
+
+def check_prompt(target: CausalLM, prompt_len: int, max_new_tokens: int) -> None:
+    if max_new_tokens <= 0:
+        raise SpecDecodeError(f"max-new-tokens must be > 0, got {max_new_tokens}.", "Pass a positive number.")
+    if prompt_len == 0:
+        raise SpecDecodeError("the prompt is empty.", "Pass a non-empty prompt.")
+    if prompt_len >= target.max_context:
+        raise SpecDecodeError(
+            f"the prompt has {prompt_len} tokens but {target.name} takes at most {target.max_context}.",
+            "Shorten the prompt.",
+        )
+
+
+def decode(
+    target: CausalLM,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    stats: Stats | None = None,
+    verifier: Verifier | None = None,
+) -> Iterator[list[int]]:
+    """Yield the new tokens of each step; `stats` (if given) is filled in as decoding goes."""
+    check_prompt(target, len(prompt_ids), max_new_tokens)
+    if not params.greedy and not drafter.supports_sampling:
+        raise SpecDecodeError(f"drafter '{drafter.name}' supports greedy decoding only.", "Use --temperature 0.")
+    stats = stats if stats is not None else Stats()
+    verifier = verifier or verifier_for(params)
+    generator = params.generator()
+    max_new_tokens = min(max_new_tokens, target.max_context - len(prompt_ids))
+    capacity = len(prompt_ids) + max_new_tokens + drafter.max_nodes + 1
+    stats.prompt_tokens = len(prompt_ids)
+    start = time.perf_counter()
+
+    cache = target.new_cache(capacity)
+    drafter.start(list(prompt_ids), capacity)
+    first = sample(probs_from_logits(prefill(target, cache, prompt_ids), params), generator)
+    context = list(prompt_ids) + [first]  # context[-1] is committed but not yet in the target's cache
+    stats.target_forwards = 1
+    stats.prefill_seconds = time.perf_counter() - start
+    new = [first]
+    while True:
+        new = _finish(new, target.eos_token_ids, max_new_tokens - stats.new_tokens, stats)
+        stats.new_tokens += len(new)
+        stats.seconds = time.perf_counter() - start
+        yield new
+        if stats.finish_reason:
+            return
+        remaining = max_new_tokens - stats.new_tokens
+
+        t0 = time.perf_counter()
+        draft = drafter.propose(context, params, generator).depth_limited(remaining - 1)
+        t1 = time.perf_counter()
+        target_logits = forward_tree(target, cache, context[-1], draft)  # [N+1, V]
+        verdict = verifier.verify(draft, target_logits, params, generator)
+        cache.keep([0] + [i + 1 for i in verdict.accepted])  # root + accepted path
+        t2 = time.perf_counter()
+        drafter.commit(verdict)
+        t3 = time.perf_counter()
+
+        stats.draft_seconds += (t1 - t0) + (t3 - t2)
+        stats.verify_seconds += t2 - t1
+        stats.target_forwards += 1
+        stats.drafted_tokens += len(draft)
+        stats.accepted_tokens += len(verdict.accepted)
+        stats.accepted_per_step.append(len(verdict.accepted))
+        new = verdict.new_tokens
+        context.extend(new)
+
+
+def _finish(new: list[int], eos: frozenset[int], room: int, stats: Stats) -> list[int]:
+    """Cut the step's tokens at the first end-of-sequence token or at the length limit; set finish_reason."""
+    for i, token in enumerate(new[:room]):
+        if token in eos:
+            stats.finish_reason = "stop"
+            return new[: i + 1]
+    if len(new) >= room:
+        stats.finish_reason = "length"
+    return new[:room]
+
+
+def generate(target, drafter, prompt_ids, max_new_tokens, params, verifier=None) -> tuple[list[int], Stats]:
+    stats = Stats()
+    tokens = [t for step in decode(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier) for t in step]
+    return tokens, stats

@@ -1,0 +1,112 @@
+"""A draft is data: tokens plus parent indices (plus draft probabilities, or None).
+
+Node indices count draft tokens 0..N-1; parent -1 is the root, the last committed token, whose target logits
+come first in the verification forward. Parents always precede their children (topological order), so a chain
+is the tree with parents [-1, 0, 1, ...]. All functions here are pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [N] int64 token ids
+    parents: torch.Tensor  # [N] int64, -1 = root; parents[i] < i
+    # [N, V] float32: the distribution node i was sampled from, given its parent and its earlier-tried siblings.
+    # None for deterministic drafts (n-gram lookup, top-k trees): verification then uses q = 1 for the drafted token.
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,):
+            raise ValueError(f"parents has shape {tuple(self.parents.shape)}, tokens has {n} nodes")
+        if n and not bool((self.parents < torch.arange(n)).all()):
+            raise ValueError("every parent index must precede its child")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise ValueError("draft_probs needs one row per draft token")
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+    @staticmethod
+    def chain(tokens: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Draft":
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        return Draft(tokens, torch.arange(tokens.shape[0]) - 1, draft_probs)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def depth_limited(self, max_depth: int) -> "Draft":
+        """The sub-tree of nodes at depth <= max_depth (depth of a root child = 1)."""
+        keep = depths(self.parents) <= max_depth  # [N] bool
+        if bool(keep.all()):
+            return self
+        kept = keep.nonzero().flatten()  # [M]
+        new_index = torch.full((len(self) + 1,), -1, dtype=torch.long)  # slot 0 = root
+        new_index[kept + 1] = torch.arange(kept.shape[0])
+        parents = new_index[self.parents[kept] + 1]
+        probs = None if self.draft_probs is None else self.draft_probs[kept]
+        return Draft(self.tokens[kept], parents, probs)
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """[N] depth of each node; a child of the root has depth 1."""
+    out = torch.zeros(parents.shape[0], dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        out[i] = 1 if p < 0 else out[p] + 1
+    return out
+
+
+def with_root(parents: torch.Tensor) -> torch.Tensor:
+    """Parents over the verification layout [root, node 0, ..., node N-1]: index 0 is the root."""
+    return torch.cat([torch.tensor([-1]), parents + 1])
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool: mask[i, j] is True when j is i or an ancestor of i (what node i may attend to)."""
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def children(parents: torch.Tensor) -> list[list[int]]:
+    """Children of each node, in index order (the order siblings were drafted and are tried)."""
+    out: list[list[int]] = [[] for _ in range(parents.shape[0])]
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            out[p].append(i)
+    return out
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Node indices from the first node below the root down to `node` (inclusive)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def from_sequences(sequences: list[list[int]]) -> Draft:
+    """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for seq in sequences:
+        parent = -1
+        for tok in seq:
+            key = (parent, tok)
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(tok)
+                parents.append(parent)
+            parent = index[key]
+    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

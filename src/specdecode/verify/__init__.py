@@ -1,0 +1,13 @@
+"""Verifiers: greedy (exact match) and rejection sampling (chain, sampled trees, deterministic trees)."""
+
+from ..sampling import SamplingParams
+from .base import Verdict, Verifier
+from .greedy import GreedyVerifier
+from .rejection import RejectionVerifier, residual
+
+
+def verifier_for(params: SamplingParams) -> Verifier:
+    return GreedyVerifier() if params.greedy else RejectionVerifier()
+
+
+__all__ = ["Verdict", "Verifier", "GreedyVerifier", "RejectionVerifier", "residual", "verifier_for"]
