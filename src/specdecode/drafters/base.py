@@ -33,6 +33,8 @@ class Drafter(ABC):
     needs_draft_model: ClassVar[bool] = False  # True: the constructor takes draft_model=<CausalLM>
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
+    # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
+    variants: ClassVar[tuple[dict, ...]] = ({},)
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request: reset per-request state. capacity = longest context this request can reach."""

@@ -21,6 +21,7 @@ from .base import Drafter, register
 @register("draft")
 class DraftModelDrafter(Drafter):
     needs_draft_model = True
+    variants = ({}, {"depth": 3, "topk": 3, "budget": 7}, {"depth": 1})
 
     def __init__(self, target: CausalLM, draft_model: CausalLM, depth: int = 4, topk: int = 1, budget: int = 0):
         if depth < 1 or topk < 1 or budget < 0:

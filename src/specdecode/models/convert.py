@@ -11,10 +11,34 @@ from tqdm import tqdm
 from ..errors import SpecDecodeError
 
 
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3")
+
+
+def check_gguf(gguf_path: Path) -> str:
+    """Read the header only; return the architecture or raise a clear error before any slow work starts."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf_path).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except Exception as exc:  # truncated, not GGUF, or an unknown version
+        raise SpecDecodeError(
+            f"could not read GGUF file {gguf_path}: {type(exc).__name__}: {exc}",
+            "Check that the file is complete (download it again) and is a GGUF model.",
+        ) from None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise SpecDecodeError(
+            f"GGUF file {gguf_path} holds a '{arch}' model.",
+            f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
+        )
+    return arch
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(gguf_path)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     steps = tqdm(total=3, desc=f"convert {gguf_path.name}", unit="step")
@@ -30,7 +54,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         steps.close()
         raise SpecDecodeError(
             f"could not read GGUF file {gguf_path}: {type(exc).__name__}: {exc}",
-            "Check that it is a complete GGUF file of a supported architecture (qwen2, llama, gemma3).",
+            f"Check that it is a complete GGUF file of a supported architecture ({', '.join(SUPPORTED_ARCHITECTURES)}).",
         ) from None
     steps.set_postfix_str("writing safetensors")
     tmp.mkdir(parents=True)

