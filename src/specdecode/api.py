@@ -11,6 +11,7 @@ from .errors import SpecDecodeError
 from .models.base import CausalLM
 from .models.loading import load_model
 from .sampling import SamplingParams
+from .text import TextAssembler
 
 
 @dataclass
@@ -41,10 +42,15 @@ class SpecDecoder:
         **drafter_options,
     ):
         self.target = load_model(model, dtype)
-        if draft_model is not None:
-            draft_model = load_model(draft_model, dtype)
-        self.drafter = build_drafter(drafter, self.target, draft_model=draft_model, **drafter_options)
+        self.drafter_name = drafter
+        self.draft_model = None if draft_model is None else load_model(draft_model, dtype)
+        self.drafter_options = drafter_options
+        self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer
+
+    def new_drafter(self):
+        """A drafter with its own per-request state (models are shared), for concurrent requests."""
+        return build_drafter(self.drafter_name, self.target, draft_model=self.draft_model, **self.drafter_options)
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt: ids as they are, text, or chat messages (with the model's chat template)."""
@@ -63,17 +69,10 @@ class SpecDecoder:
     ) -> Iterator[Chunk]:
         """Yield each step's new tokens with the text they complete; pass a Stats to read statistics afterwards."""
         ids = self.encode(prompt, chat)
-        tokens: list[int] = []
-        shown = ""
+        text = TextAssembler(self.tokenizer)
         for step in decode(self.target, self.drafter, ids, max_new_tokens, SamplingParams(**sampling), stats):
-            tokens.extend(step)
-            text = self.decode_text(tokens)
-            if text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                yield Chunk("", step)
-                continue
-            yield Chunk(text[len(shown) :], step)
-            shown = text
-        rest = self.decode_text(tokens)[len(shown) :]
+            yield Chunk(text.add(step), step)
+        rest = text.flush()
         if rest:
             yield Chunk(rest, [])
 

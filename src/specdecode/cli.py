@@ -1,12 +1,14 @@
-"""specdecode generate | pull | models | drafters."""
+"""The command line: specdecode generate | bench | audit | serve | chat | loadtest | pull | models | drafters."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from .bench.questions import GROUPS
 from .errors import SpecDecodeError
 
 
@@ -41,6 +43,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(run=cmd_generate)
 
+    bench = sub.add_parser("bench", help="Spec-Bench-compatible benchmark of several methods in one run")
+    bench.add_argument("--model", required=True)
+    bench.add_argument(
+        "--drafters", default="none,pld", help="comma-separated methods: NAME[:DRAFT_MODEL][+KEY=VALUE...], "
+        "hf-plain, hf-pld, hf-assisted:MODEL; none (the baseline) is always included",
+    )
+    bench.add_argument("--questions", type=Path, help="Spec-Bench-format JSONL (default: the shipped Spec-Bench set)")
+    bench.add_argument("--groups", default=",".join(GROUPS), help="groups or MT-bench categories")
+    bench.add_argument("--per-group", type=int, default=5, help="questions per group (0 = all)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_args(bench)
+    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--out", type=Path, required=True, help="output folder (a killed run resumes from it)")
+    bench.set_defaults(run=cmd_bench)
+
+    audit = sub.add_parser("audit", help="check that a drafter is lossless on this model, dtype and machine")
+    add_model_args(audit)
+    audit.add_argument("--per-group", type=int, default=1, help="Spec-Bench questions per group for the greedy audit")
+    audit.add_argument("--max-new-tokens", type=int, default=64)
+    add_sampling_args(audit)
+    audit.add_argument("--samples", type=int, default=0, help="seeds for the sampling audit (0 = greedy audit only)")
+    audit.add_argument("--tie-margin", type=float, help="largest logit margin counted as a near-tie (default by dtype)")
+    audit.set_defaults(run=cmd_audit)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+                       help="require this bearer token (default: $SPECDECODE_API_KEY, or none)")
+    serve.add_argument("--served-model-name", help="model id clients use (default: --model)")
+    serve.add_argument("--default-max-tokens", type=int, default=512)
+    serve.set_defaults(run=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, local (--model) or with a server (--url)")
+    add_model_args(chat, model_required=False)
+    chat.add_argument("--url", help="base URL of a specdecode (or any OpenAI-compatible) server")
+    chat.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"))
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    add_sampling_args(chat)
+    chat.set_defaults(run=cmd_chat)
+
+    load = sub.add_parser("loadtest", help="bounded load test of a running server (loopback)")
+    load.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    load.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"))
+    load.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrency levels")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level")
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.set_defaults(run=cmd_loadtest)
+
     pull = sub.add_parser("pull", help="download, check and convert a shipped model")
     pull.add_argument("name")
     pull.add_argument("--force", action="store_true", help="download and convert again")
@@ -51,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="shipped name, transformers folder, .gguf file or hub id")
+def add_model_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    parser.add_argument(
+        "--model", required=model_required, help="shipped name, transformers folder, .gguf file or hub id"
+    )
     parser.add_argument("--drafter", default="none", help="drafting method (see `specdecode drafters`)")
     parser.add_argument("--draft-model", help="draft model for model-based drafters")
     parser.add_argument(
@@ -67,25 +122,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
-
-
-def parse_options(pairs: list[str]) -> dict:
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SpecDecodeError(f"drafter option '{pair}' is not KEY=VALUE.", "Write it as -o depth=5.")
-        options[key.replace("-", "_")] = _literal(value)
-    return options
-
-
-def _literal(value: str):
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(value.lower(), value)
 
 
 def sampling_kwargs(args) -> dict:
@@ -104,22 +140,25 @@ def read_prompt(args) -> str:
         raise SpecDecodeError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}.", "Check the path.") from None
 
 
+def decoder_from_args(args):
+    """Validate the cheap arguments first, then load the target (and draft) model behind a SpecDecoder."""
+    from .api import SpecDecoder
+    from .drafters.base import check_drafter_name, parse_options
+
+    options = parse_options(args.drafter_option)
+    check_drafter_name(args.drafter)  # before the slow model load
+    return SpecDecoder(args.model, args.drafter, args.draft_model, args.dtype, **options)
+
+
 def cmd_generate(args) -> int:
     from .api import Result, SpecDecoder
-    from .engine import Stats, check_prompt
-    from .models.loading import load_model
+    from .engine import Stats, check_max_new_tokens, check_prompt
 
     sampling = sampling_kwargs(args)
-    options = parse_options(args.drafter_option)
     prompt = read_prompt(args)
-    if args.max_new_tokens <= 0:
-        raise SpecDecodeError(f"max-new-tokens must be > 0, got {args.max_new_tokens}.", "Pass a positive number.")
-    from .drafters import DRAFTERS
-
-    if args.drafter not in DRAFTERS:  # before the slow model load
-        raise SpecDecodeError(f"unknown drafter '{args.drafter}'.", f"Choose one of: {', '.join(sorted(DRAFTERS))}.")
-    target = load_model(args.model, args.dtype)
-    spec = SpecDecoder(target, args.drafter, args.draft_model, args.dtype, **options)
+    check_max_new_tokens(args.max_new_tokens)
+    spec = decoder_from_args(args)
+    target = spec.target
     ids = spec.encode(prompt, args.chat)
     check_prompt(target, len(ids), args.max_new_tokens)
     baseline = SpecDecoder(target, "none").generate(ids, args.max_new_tokens, **sampling) if args.compare else None
@@ -158,6 +197,96 @@ def comparison(baseline, result) -> dict:
         "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
         "identical": result.token_ids == baseline.token_ids,
     }
+
+
+def cmd_bench(args) -> int:
+    from .bench.questions import load_questions, select
+    from .bench.report import write_report
+    from .bench.runner import BenchConfig, command_line, machine, run_bench, timestamp
+
+    sampling = sampling_kwargs(args)
+    if args.max_new_tokens <= 0 or args.repeats <= 0 or args.per_group < 0:
+        raise SpecDecodeError("max-new-tokens and repeats must be > 0, per-group >= 0.", "Fix the numbers.")
+    methods = [m.strip() for m in args.drafters.split(",") if m.strip()]
+    methods = ["none"] + [m for m in methods if m != "none"]
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    questions = select(load_questions(args.questions), groups, args.per_group)
+    config = BenchConfig(
+        model=args.model, methods=methods, question_ids=[q.question_id for q in questions], groups=groups,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, repeats=args.repeats, command=command_line(),
+        **{k: v for k, v in sampling.items() if k != "seed"}, seed=sampling["seed"] or 0,
+    )
+    records = run_bench(config, questions, args.out)
+    write_report(config, records, args.out, machine(), timestamp())
+    print((args.out / "report.md").read_text())
+    return 0
+
+
+def cmd_audit(args) -> int:
+    from .audit import audit_greedy, audit_sampling
+    from .bench.questions import load_questions, select
+    from .sampling import SamplingParams
+
+    sampling = sampling_kwargs(args)
+    spec = decoder_from_args(args)
+    questions = select(load_questions(), list(GROUPS), args.per_group)
+    prompts = [spec.encode(q.turns[0], chat=True) for q in questions]
+    report = audit_greedy(spec.target, spec.drafter, prompts, args.max_new_tokens, tie_margin=args.tie_margin)
+    print(f"greedy: {report.identical}/{len(prompts)} identical to plain decoding")
+    for d in report.divergences:
+        print(
+            f"  prompt {d.prompt_index} (question {questions[d.prompt_index].question_id}): first difference at new "
+            f"token {d.position}: plain {d.plain_token}, speculative {d.speculative_token}, plain top-2 margin "
+            f"{d.margin:.4f} (runner-up {d.runner_up}): {d.kind}"
+        )
+    failed = bool(report.bugs)
+    if args.samples:
+        params = SamplingParams(**{**sampling, "temperature": sampling["temperature"] or 1.0})
+        result = audit_sampling(spec.target, spec.drafter, prompts[0], params, args.samples)
+        print(f"sampling (T={params.temperature}): TV {result.tv:.4f} vs bound {result.bound:.4f} over "
+              f"{result.samples} samples: {'pass' if result.passed else 'FAIL'}")
+        failed |= not result.passed
+    print("audit: " + ("FAILED" if failed else "passed"))
+    return 1 if failed else 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .serve import create_app
+
+    decoder = decoder_from_args(args)
+    app = create_app(decoder, args.served_model_name or args.model, args.api_key, args.default_max_tokens)
+    print(f"serving {args.model} (drafter {args.drafter}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .chat import chat_local, chat_remote
+
+    sampling = sampling_kwargs(args)
+    if bool(args.url) == bool(args.model):
+        raise SpecDecodeError("chat needs exactly one of --model and --url.", "Pass --model NAME or --url URL.")
+    if args.url:
+        return chat_remote(args.url, args.api_key, args.max_new_tokens, sampling)
+    return chat_local(decoder_from_args(args), args.max_new_tokens, sampling)
+
+
+def cmd_loadtest(args) -> int:
+    from urllib.parse import urlparse
+
+    from .serve.loadtest import expected_answers, run_load
+
+    if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise SpecDecodeError(f"{args.url} is not a loopback address.", "Load-test a server on this machine only.")
+    expected = expected_answers(args.url, args.api_key, args.max_tokens)
+    bad = 0
+    for clients in (int(c) for c in args.clients.split(",")):
+        result = run_load(args.url, args.api_key, clients, args.duration, args.max_tokens, expected)
+        print(result.line(), flush=True)
+        bad += result.wrong + result.failed
+    return 1 if bad else 0
 
 
 def cmd_pull(args) -> int:

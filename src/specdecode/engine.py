@@ -49,9 +49,13 @@ class Stats:
         return out
 
 
-def check_prompt(target: CausalLM, prompt_len: int, max_new_tokens: int) -> None:
+def check_max_new_tokens(max_new_tokens: int) -> None:
     if max_new_tokens <= 0:
         raise SpecDecodeError(f"max-new-tokens must be > 0, got {max_new_tokens}.", "Pass a positive number.")
+
+
+def check_prompt(target: CausalLM, prompt_len: int, max_new_tokens: int) -> None:
+    check_max_new_tokens(max_new_tokens)
     if prompt_len == 0:
         raise SpecDecodeError("the prompt is empty.", "Pass a non-empty prompt.")
     if prompt_len >= target.max_context:

@@ -47,9 +47,13 @@ class Drafter(ABC):
         """The target accepted verdict.accepted and appended verdict.bonus; roll own state forward or back."""
 
 
-def build_drafter(name: str, target, **options) -> Drafter:
+def check_drafter_name(name: str) -> None:
     if name not in DRAFTERS:
         raise SpecDecodeError(f"unknown drafter '{name}'.", f"Choose one of: {', '.join(sorted(DRAFTERS))}.")
+
+
+def build_drafter(name: str, target, **options) -> Drafter:
+    check_drafter_name(name)
     cls = DRAFTERS[name]
     if cls.needs_draft_model and options.get("draft_model") is None:
         raise SpecDecodeError(
@@ -61,3 +65,22 @@ def build_drafter(name: str, target, **options) -> Drafter:
         return cls(target, **options)
     except TypeError as exc:  # unknown or malformed option
         raise SpecDecodeError(f"bad option for drafter '{name}': {exc}.", "Check the drafter's options.") from None
+
+
+def parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecDecodeError(f"drafter option '{pair}' is not KEY=VALUE.", "Write it as -o depth=5.")
+        options[key.replace("-", "_")] = _literal(value)
+    return options
+
+
+def _literal(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)

@@ -21,15 +21,15 @@ from .base import Drafter, register
 @register("draft")
 class DraftModelDrafter(Drafter):
     needs_draft_model = True
-    variants = ({}, {"depth": 3, "topk": 3, "budget": 7}, {"depth": 1})
+    variants = ({}, {"depth": 3, "topk": 1}, {"depth": 3, "topk": 3, "budget": 7}, {"depth": 1, "topk": 1})
 
-    def __init__(self, target: CausalLM, draft_model: CausalLM, depth: int = 4, topk: int = 1, budget: int = 0):
+    def __init__(self, target: CausalLM, draft_model: CausalLM, depth: int = 4, topk: int = 2, budget: int = 8):
         if depth < 1 or topk < 1 or budget < 0:
             raise TypeError("need depth >= 1, topk >= 1, budget >= 0")
         check_same_vocabulary(target, draft_model)
         self.model = draft_model
         self.depth, self.topk = depth, topk
-        self.budget = budget or depth * topk
+        self.budget = min(budget, depth * topk) if budget else depth * topk
         self.max_nodes = max(self.budget, depth * topk)
         self.cache = None
 

@@ -1,0 +1,1 @@
+"""Spec-Bench-compatible benchmark harness."""

@@ -1,0 +1,92 @@
+"""Rows of a benchmark: our drafters through the engine, and peers (transformers' own speculative decoding).
+
+Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `draft:qwen2.5-coder-0.5b-instruct+depth=5`),
+`hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-pld` (transformers' prompt lookup), and
+`hf-plain` (transformers' own generate, to compare our baseline with).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..drafters import DRAFTERS, build_drafter
+from ..drafters.base import parse_options
+from ..engine import generate
+from ..errors import SpecDecodeError
+from ..models.base import CausalLM
+from ..sampling import SamplingParams
+
+
+class Method(ABC):
+    label: str
+
+    @abstractmethod
+    def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
+        """Generate; return a record with token_ids, new_tokens, seconds and whatever statistics it has."""
+
+
+class EngineMethod(Method):
+    def __init__(self, label: str, target: CausalLM, drafter):
+        self.label, self.target, self.drafter = label, target, drafter
+
+    def run(self, prompt_ids, max_new_tokens, params):
+        tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params)
+        record = stats.as_dict()
+        record["token_ids"] = tokens
+        return record
+
+
+class TransformersMethod(Method):
+    """transformers' generate() on the same loaded weights, with its own speculative options."""
+
+    def __init__(self, label: str, target: CausalLM, **generate_options):
+        self.label, self.target, self.options = label, target, generate_options
+
+    def run(self, prompt_ids, max_new_tokens, params):
+        model = self.target.model
+        input_ids = torch.tensor([prompt_ids])
+        sampling = (
+            dict(do_sample=False)
+            if params.greedy
+            else dict(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+        )
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(self.target.eos_token_ids),
+                pad_token_id=sorted(self.target.eos_token_ids)[0],
+                repetition_penalty=1.0,
+                **sampling,
+                **self.options,
+            )
+        seconds = time.perf_counter() - start
+        tokens = out[0, len(prompt_ids) :].tolist()
+        return {"token_ids": tokens, "new_tokens": len(tokens), "seconds": seconds, "target_forwards": None}
+
+
+def build_method(spec: str, target: CausalLM, load) -> Method:
+    """`load(model_spec)` returns a CausalLM in the run's dtype (cached by the caller)."""
+    if spec == "hf-plain":
+        return TransformersMethod(spec, target)
+    if spec == "hf-pld":
+        return TransformersMethod(spec, target, prompt_lookup_num_tokens=10)
+    if spec.startswith("hf-assisted:"):
+        return TransformersMethod(spec, target, assistant_model=load(spec.split(":", 1)[1]).model)
+    name, *option_pairs = spec.split("+")
+    name, _, draft_model = name.partition(":")
+    if name not in DRAFTERS:
+        raise SpecDecodeError(
+            f"unknown method '{spec}'.",
+            f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld or hf-assisted:MODEL.",
+        )
+    options = parse_options(option_pairs)
+    drafter = build_drafter(name, target, draft_model=load(draft_model) if draft_model else None, **options)
+    return EngineMethod(spec, target, drafter)

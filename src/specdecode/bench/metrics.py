@@ -1,0 +1,56 @@
+"""Aggregate per-question records into per-method, per-group metrics. Pure functions over dicts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+BASELINE = "none"
+
+
+def key(record: dict) -> tuple:
+    return (record["question_id"], record["turn"], record["repeat"])
+
+
+def aggregate(records: list[dict], methods: list[str], groups: list[str]) -> dict:
+    """{method: {group or "overall": metrics}}, speedups relative to the baseline on the same records."""
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by_method[r["method"]].append(r)
+    baseline_tokens = {key(r): r["token_ids"] for r in by_method.get(BASELINE, [])}
+    table = {}
+    for method in methods:
+        rows = by_method.get(method, [])
+        table[method] = {g: summarize([r for r in rows if r["group"] == g], baseline_tokens) for g in groups}
+        table[method]["overall"] = summarize(rows, baseline_tokens)
+    for method in methods:
+        for group, m in table[method].items():
+            base = table.get(BASELINE, {}).get(group)
+            m["speedup"] = (
+                m["tokens_per_second"] / base["tokens_per_second"] if base and base["tokens_per_second"] else None
+            )
+    return table
+
+
+def summarize(rows: list[dict], baseline_tokens: dict) -> dict:
+    tokens = sum(r["new_tokens"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    draft = sum(r.get("draft_seconds") or 0.0 for r in rows)
+    verify = sum(r.get("verify_seconds") or 0.0 for r in rows)
+    forwards = [r.get("target_forwards") for r in rows]
+    drafted = sum(r.get("drafted_tokens") or 0 for r in rows)
+    accepted = sum(r.get("accepted_tokens") or 0 for r in rows)
+    compared = [r for r in rows if key(r) in baseline_tokens]
+    return {
+        "records": len(rows),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "tau": tokens / sum(forwards) if rows and None not in forwards and sum(forwards) else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "draft_share": draft / seconds if seconds else None,
+        "verify_share": verify / seconds if seconds else None,
+        "other_share": (seconds - draft - verify) / seconds if seconds else None,
+        "identical_share": (
+            sum(r["token_ids"] == baseline_tokens[key(r)] for r in compared) / len(compared) if compared else None
+        ),
+    }

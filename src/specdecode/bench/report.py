@@ -1,0 +1,108 @@
+"""Markdown report in the Spec-Bench leaderboard layout, a JSON file with every record, and two plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .metrics import BASELINE, aggregate
+from .questions import GROUP_TITLES
+
+
+def write_report(config, records: list[dict], out_dir: Path, machine: dict, when: str) -> dict:
+    groups = [g for g in config.groups if any(r["group"] == g for r in records)] or config.groups
+    table = aggregate(records, config.methods, groups)
+    results = {"config": config.__dict__, "machine": machine, "date": when, "metrics": table, "records": records}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "report.md").write_text(markdown(config, table, groups, machine, when))
+    plot(table, config.methods, groups, out_dir)
+    return table
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -> str:
+    sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
+    lines = [
+        f"# specdecode bench: {config.model}, {config.dtype}, {sampling}",
+        "",
+        f"- Date: {when}",
+        f"- Machine: {machine['cpu']}, {machine['threads']} threads; {machine['platform']}; "
+        f"torch {machine['torch']}, transformers {machine['transformers']}",
+        f"- Command: `{config.command}`",
+        f"- Questions: Spec-Bench, {len(config.question_ids)} questions ({', '.join(groups)}), "
+        f"ids {config.question_ids}; evenly spaced within each group; chat template applied; "
+        f"MT-bench second turns answer the method's own first answer.",
+        f"- {config.max_new_tokens} new tokens at most, {config.repeats} repeat(s); warm-up excluded; "
+        "all methods interleaved question by question in one process.",
+        "",
+        "## Speedup over plain decoding (`none`), same run",
+        "",
+        "| Method | " + " | ".join(GROUP_TITLES.get(g, g) for g in groups) + " | #Mean accepted tokens | Overall |",
+        "|---|" + "---:|" * (len(groups) + 2),
+    ]
+    for method, row in table.items():
+        cells = [_fmt(row[g]["speedup"], ".2f", "x") for g in groups]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {_fmt(row['overall']['tau'], '.2f')} | "
+                     f"{_fmt(row['overall']['speedup'], '.2f', 'x')} |")
+    lines += [
+        "",
+        "## Details (all groups)",
+        "",
+        "| Method | tokens/s | tau | acceptance | draft time | verify time | other time | identical to `none` |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method, row in table.items():
+        m = row["overall"]
+        lines.append(
+            f"| {method} | {m['tokens_per_second']:.2f} | {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.1%')} | "
+            f"{_fmt(m['draft_share'], '.0%')} | {_fmt(m['verify_share'], '.0%')} | {_fmt(m['other_share'], '.0%')} | "
+            f"{_fmt(m['identical_share'] if config.temperature == 0 else None, '.0%')} |"
+        )
+    lines += [
+        "",
+        "tau = new tokens / target forward passes (the prefill and the bonus token count). Time shares: drafting, "
+        "target verification forwards + acceptance, and the rest (prefill, bookkeeping). Peer rows (hf-*) run "
+        "transformers' generate() on the same loaded weights and report no tau. "
+        f"Identity compares each generation with `{BASELINE}` on the same question and turn (greedy only); in "
+        "bfloat16 a near-tie can flip (see `specdecode audit`).",
+        "",
+        "![speedup per group](speedup.png) ![tau vs tokens/s](tau_vs_tokens_per_second.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(table: dict, methods: list[str], groups: list[str], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = [table[method][g]["speedup"] or 0 for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=method)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [GROUP_TITLES.get(g, g) for g in groups],
+                  rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over none")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for method in methods:
+        m = table[method]["overall"]
+        if m["tau"] is not None:
+            ax.scatter(m["tau"], m["tokens_per_second"])
+            ax.annotate(method, (m["tau"], m["tokens_per_second"]), fontsize=7)
+    ax.set_xlabel("tau (tokens per target forward)")
+    ax.set_ylabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(out_dir / "tau_vs_tokens_per_second.png", dpi=120)
+    plt.close(fig)

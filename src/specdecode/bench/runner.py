@@ -1,0 +1,173 @@
+"""specdecode bench: every method on the same prompts, in one process, interleaved question by question so that
+machine drift hits all methods alike; one JSON line per generation, so a killed run resumes where it stopped."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..errors import SpecDecodeError
+from ..models.loading import load_model
+from ..sampling import SamplingParams
+from .methods import Method, build_method
+from .metrics import BASELINE
+from .questions import Question
+
+WARMUP_PROMPT = "Say hello."
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: list[str]
+    question_ids: list[int]
+    groups: list[str]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "bfloat16"
+    repeats: int = 1
+    command: str = field(default="", compare=False)
+
+    def comparable(self) -> dict:
+        out = asdict(self)
+        out.pop("command")
+        return out
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> list[dict]:
+    """Load the models, then run (or resume) the benchmark; return all records."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_or_write_config(config, out_dir)
+    target = load_model(config.model, config.dtype)
+    loaded: dict[str, object] = {}
+
+    def load(spec: str):
+        if spec not in loaded:
+            loaded[spec] = load_model(spec, config.dtype)
+        return loaded[spec]
+
+    methods = [build_method(spec, target, load) for spec in config.methods]
+    return run_jobs(config, target, methods, questions, out_dir)
+
+
+def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list[Question], out_dir: Path) -> list[dict]:
+    """Every (repeat, question, turn, method) not yet in out_dir/records.jsonl, appended there as it finishes."""
+    _check_or_write_config(config, out_dir)
+    records_path = out_dir / "records.jsonl"
+    records = _read_records(records_path)
+    done = {(r["method"], r["question_id"], r["turn"], r["repeat"]) for r in records}
+    jobs = [
+        (repeat, q, turn, m)
+        for repeat in range(config.repeats)
+        for q in questions
+        for turn in range(len(q.turns))
+        for m in methods
+    ]
+    todo = [j for j in jobs if (j[3].label, j[1].question_id, j[2], j[0]) not in done]
+    if todo:
+        _warm_up(target, methods, config)
+    answers = {(r["method"], r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in records}
+    with open(records_path, "a") as sink, tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="bench", unit="gen") as bar:
+        for repeat, q, turn, method in todo:
+            bar.set_postfix_str(f"{method.label} q{q.question_id} t{turn + 1}")
+            prompt = _prompt_ids(target, q, turn, [answers[(method.label, q.question_id, t, repeat)] for t in range(turn)])
+            params = SamplingParams(config.temperature, config.top_k, config.top_p, seed=_seed(config, q, turn, repeat))
+            record = method.run(prompt, config.max_new_tokens, params)
+            record.update(method=method.label, question_id=q.question_id, group=q.group, category=q.category,
+                          turn=turn, repeat=repeat, prompt_tokens=len(prompt))
+            answers[(method.label, q.question_id, turn, repeat)] = record["token_ids"]
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            records.append(record)
+            bar.update()
+    return records
+
+
+def _prompt_ids(target, question: Question, turn: int, own_answers: list[list[int]]) -> list[int]:
+    """The chat prompt for `turn`; earlier turns carry the method's own earlier answers (as Spec-Bench does)."""
+    messages = []
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": question.turns[t]})
+        if t < turn:
+            messages.append({"role": "assistant", "content": target.tokenizer.decode(own_answers[t], skip_special_tokens=True)})
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _seed(config: BenchConfig, q: Question, turn: int, repeat: int) -> int:
+    return config.seed * 1_000_003 + q.question_id * 101 + turn * 7 + repeat
+
+
+def _warm_up(target, methods: list[Method], config: BenchConfig) -> None:
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": WARMUP_PROMPT}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    for method in tqdm(methods, desc="warm-up", unit="method", leave=False):
+        method.run(prompt, 8, SamplingParams(config.temperature, config.top_k, config.top_p, seed=0))
+
+
+def _check_or_write_config(config: BenchConfig, out_dir: Path) -> None:
+    path = out_dir / "config.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+        previous.pop("command", None)
+        if previous != config.comparable():
+            raise SpecDecodeError(
+                f"{out_dir} holds a run with another configuration.",
+                "Use another --out folder to start a new run, or repeat the same command to resume it.",
+            )
+        return
+    path.write_text(json.dumps(asdict(config), indent=1))
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill: that generation runs again
+            pass
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def timestamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def command_line() -> str:
+    return "specdecode " + " ".join(sys.argv[1:])
+
+
+__all__ = ["BenchConfig", "run_bench", "machine", "timestamp", "command_line", "BASELINE"]

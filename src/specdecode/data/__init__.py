@@ -1,0 +1,1 @@
+"""Data shipped with specdecode (the Spec-Bench questions)."""

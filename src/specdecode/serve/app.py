@@ -1,0 +1,215 @@
+"""An OpenAI-compatible HTTP API over a SpecDecoder: /v1/models, /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..api import SpecDecoder
+from ..engine import Stats, check_prompt, decode
+from ..errors import SpecDecodeError
+from ..sampling import SamplingParams
+from ..text import TextAssembler
+from .scheduler import DONE, Scheduler
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str = Field(pattern="^(system|developer|user|assistant)$")
+    content: str | list[dict]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code=None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(decoder: SpecDecoder, model_name: str, api_key: str | None = None, default_max_tokens: int = 512):
+    app = FastAPI(title="specdecode", version="0.1")
+    scheduler = Scheduler()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", [])[1:]) or None
+        return error(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(given, api_key):
+                return error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdecode"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "active_requests": scheduler.active}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return await complete(body, request, lambda: decoder.encode(messages, chat=True), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await complete(body, request, lambda: decoder.encode(body.prompt), chat=False)
+
+    async def complete(body: SamplingRequest, request: Request, encode, chat: bool):
+        if body.model not in (None, model_name):
+            return error(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
+                         param="model", code="model_not_found")
+        try:
+            prompt_ids = encode()
+            max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
+            check_prompt(decoder.target, len(prompt_ids), max_tokens)
+            params = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
+        except SpecDecodeError as exc:
+            return error(400, str(exc))
+        run = Run(decoder, scheduler, prompt_ids, max_tokens, params, body.stops())
+        meta = Meta(chat, model_name, len(prompt_ids))
+        if body.stream:
+            return StreamingResponse(sse(run, meta), media_type="text/event-stream")
+        try:
+            text = "".join([piece async for piece in run.pieces(request)])
+        except SpecDecodeError as exc:
+            return error(400, str(exc))
+        if run.cancelled:
+            return error(499, "client closed the request")
+        headers = {"x-specdecode-tau": f"{run.stats.tau:.3f}"}
+        return JSONResponse(meta.response(text, run), headers=headers)
+
+    return app
+
+
+class Run:
+    """One request: its decode loop in the worker thread, its text assembled here as steps arrive."""
+
+    def __init__(self, decoder, scheduler, prompt_ids, max_tokens, params, stops):
+        self.stats = Stats()
+        self.text = TextAssembler(decoder.tokenizer, stops)
+        self.finish_reason = "length"
+        self.cancelled = False
+        steps = decode(decoder.target, decoder.new_drafter(), prompt_ids, max_tokens, params, self.stats)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.job = scheduler.submit(steps, lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item))
+
+    async def pieces(self, request: Request | None = None) -> AsyncIterator[str]:
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is DONE:
+                    self.finish_reason = self.stats.finish_reason or "length"
+                    if rest := self.text.flush():
+                        yield rest
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                if request is not None and await request.is_disconnected():
+                    self.cancelled = True
+                    return
+                piece = self.text.add(item)
+                if piece:
+                    yield piece
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                    return
+        finally:
+            self.job.cancel()  # no-op once finished; frees the caches of an abandoned or stopped request
+
+
+class Meta:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int):
+        self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def usage(self, run: Run) -> dict:
+        completion = run.stats.new_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    @staticmethod
+    def speculative(run: Run) -> dict:
+        s = run.stats
+        return {"tau": s.tau, "target_forwards": s.target_forwards, "drafted_tokens": s.drafted_tokens,
+                "accepted_tokens": s.accepted_tokens, "seconds": s.seconds}
+
+    def response(self, text: str, run: Run) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": run.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": run.finish_reason, "logprobs": None}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(run),
+                "speculative": self.speculative(run)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+
+async def sse(run: Run, meta: Meta) -> AsyncIterator[str]:
+    """Server-sent events; the final chunk carries usage and the speculative statistics."""
+    yield f"data: {json.dumps(meta.chunk('', first=True))}\n\n"
+    try:
+        async for piece in run.pieces():
+            yield f"data: {json.dumps(meta.chunk(piece))}\n\n"
+    except SpecDecodeError as exc:
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
+        return
+    finally:
+        run.job.cancel()  # the client went away mid-stream: stop decoding and free the caches
+    final = meta.chunk(None, run.finish_reason)
+    final.update(usage=meta.usage(run), speculative=meta.speculative(run))
+    yield f"data: {json.dumps(final)}\n\n"
+    yield "data: [DONE]\n\n"

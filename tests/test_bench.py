@@ -1,0 +1,134 @@
+"""The benchmark harness: metrics from known timings, question selection, resume after a kill, the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.bench.methods import EngineMethod, build_method
+from specdecode.bench.metrics import aggregate
+from specdecode.bench.questions import Question, load_questions, select
+from specdecode.bench.report import write_report
+from specdecode.bench.runner import BenchConfig, run_jobs
+from specdecode.drafters import build_drafter
+from specdecode.errors import SpecDecodeError
+
+from conftest import tiny_model
+
+
+def record(method, qid, group, tokens, seconds, forwards=None, draft=0.0, verify=0.0, drafted=0, accepted=0, ids=None):
+    return dict(
+        method=method, question_id=qid, group=group, turn=0, repeat=0, new_tokens=tokens, seconds=seconds,
+        target_forwards=forwards, draft_seconds=draft, verify_seconds=verify, drafted_tokens=drafted,
+        accepted_tokens=accepted, token_ids=ids if ids is not None else list(range(tokens)),
+    )
+
+
+def test_metrics_from_known_timings():
+    records = [
+        record("none", 1, "a", 10, 2.0, forwards=10, verify=1.5),
+        record("none", 2, "b", 20, 2.0, forwards=20, verify=1.5),
+        record("spec", 1, "a", 10, 1.0, forwards=4, draft=0.25, verify=0.5, drafted=12, accepted=6),
+        record("spec", 2, "b", 20, 0.5, forwards=5, draft=0.1, verify=0.3, drafted=20, accepted=15, ids=[7] * 20),
+        record("peer", 1, "a", 10, 4.0),
+        record("peer", 2, "b", 20, 4.0),
+    ]
+    table = aggregate(records, ["none", "spec", "peer"], ["a", "b"])
+    assert table["none"]["a"]["tokens_per_second"] == 5.0
+    assert table["spec"]["a"]["speedup"] == pytest.approx(2.0)  # 10/1 vs 10/2
+    assert table["spec"]["b"]["speedup"] == pytest.approx(4.0)  # 40 vs 10 tokens/s
+    overall = table["spec"]["overall"]
+    assert overall["speedup"] == pytest.approx((30 / 1.5) / (30 / 4.0))
+    assert overall["tau"] == pytest.approx(30 / 9)
+    assert overall["acceptance_rate"] == pytest.approx(21 / 32)
+    assert overall["draft_share"] == pytest.approx(0.35 / 1.5)
+    assert overall["verify_share"] == pytest.approx(0.8 / 1.5)
+    assert overall["other_share"] == pytest.approx(0.35 / 1.5)
+    assert overall["identical_share"] == 0.5  # question 2 produced other tokens
+    assert table["peer"]["overall"]["tau"] is None
+    assert table["peer"]["overall"]["speedup"] == pytest.approx(0.5)
+
+
+def test_selection_is_deterministic_and_spans_mt_bench_categories():
+    questions = load_questions()
+    assert len(questions) == 480
+    chosen = select(questions, ["mt_bench", "rag"], 8)
+    assert [q.category for q in chosen[:8]] == [
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"
+    ]
+    assert {q.group for q in chosen[8:]} == {"rag"} and len(chosen) == 16
+    assert select(questions, ["mt_bench", "rag"], 8) == chosen
+    coding = select(questions, ["coding"], 3)
+    assert {q.category for q in coding} == {"coding"} and {q.group for q in coding} == {"coding"}
+    with pytest.raises(SpecDecodeError, match="no questions"):
+        select(questions, ["poetry"], 1)
+
+
+class CountingMethod(EngineMethod):
+    calls = 0
+
+    def run(self, prompt_ids, max_new_tokens, params):
+        CountingMethod.calls += 1
+        return super().run(prompt_ids, max_new_tokens, params)
+
+
+QUESTIONS = [
+    Question(1, "writing", ("Write a poem about the sea.", "Now make it shorter.")),
+    Question(2, "summarization", ("Summarize: the the the cat cat sat sat on on the mat.",)),
+]
+
+
+def make_config(methods):
+    return BenchConfig(model="tiny", methods=methods, question_ids=[1, 2], groups=["mt_bench", "summarization"],
+                       max_new_tokens=12, dtype="float32")
+
+
+def test_a_killed_run_resumes_where_it_stopped(tmp_path):
+    target = tiny_model("qwen2", vocab=64)
+    methods = [CountingMethod("none", target, build_drafter("none", target)),
+               CountingMethod("pld", target, build_drafter("pld", target))]
+    config = make_config(["none", "pld"])
+    full = run_jobs(config, target, methods, QUESTIONS, tmp_path)
+    assert len(full) == 6 and CountingMethod.calls == 6 + 2  # 3 question-turns x 2 methods, plus warm-up
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    (tmp_path / "records.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])  # killed mid-write
+    CountingMethod.calls = 0
+    resumed = run_jobs(config, target, methods, QUESTIONS, tmp_path)
+    assert CountingMethod.calls == 3 + 2  # the three missing generations, plus warm-up
+    key = lambda r: (r["method"], r["question_id"], r["turn"])
+    assert sorted(map(key, resumed)) == sorted(map(key, full))
+    assert {key(r): r["token_ids"] for r in resumed} == {key(r): r["token_ids"] for r in full}  # greedy
+    with pytest.raises(SpecDecodeError, match="another configuration"):
+        run_jobs(make_config(["none"]), target, methods[:1], QUESTIONS, tmp_path)
+
+
+def test_second_turn_sees_the_methods_own_first_answer(tmp_path):
+    target = tiny_model("llama", vocab=64)
+    methods = [EngineMethod("none", target, build_drafter("none", target))]
+    records = run_jobs(make_config(["none"]), target, methods, QUESTIONS[:1], tmp_path)
+    first, second = sorted(records, key=lambda r: r["turn"])
+    assert second["prompt_tokens"] > first["prompt_tokens"] + 4  # the answer is in the second prompt
+
+
+def test_report_files(tmp_path):
+    target = tiny_model("gemma3", vocab=64)
+    methods = [EngineMethod(m, target, build_drafter(m, target)) for m in ("none", "pld")]
+    config = make_config(["none", "pld"])
+    records = run_jobs(config, target, methods, QUESTIONS, tmp_path)
+    machine = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "transformers": "y"}
+    write_report(config, records, tmp_path, machine, "2026-01-01 00:00 UTC")
+    report = (tmp_path / "report.md").read_text()
+    assert "| none | 1.00x | 1.00x | 1.00 | 1.00x |" in report
+    assert "| pld |" in report and "test cpu" in report
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["records"]) == 6 and results["metrics"]["pld"]["overall"]["identical_share"] == 1.0
+    assert (tmp_path / "speedup.png").stat().st_size > 1000
+    assert (tmp_path / "tau_vs_tokens_per_second.png").stat().st_size > 1000
+
+
+def test_unknown_method_names_the_choices():
+    target = tiny_model("llama")
+    with pytest.raises(SpecDecodeError, match="hf-assisted"):
+        build_method("medusa-ish", target, load=lambda spec: None)
+    assert build_method("pld+k=3", target, load=None).drafter.k == 3
