@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars are for people, not for test logs
+
 import pytest
 import torch
 

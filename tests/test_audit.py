@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdecode.audit import audit_greedy, audit_sampling
 from specdecode.drafters import build_drafter
+from specdecode.models.hf import HFModel
 from specdecode.sampling import SamplingParams
 from specdecode.verify import GreedyVerifier
 from specdecode.verify.base import verdict
@@ -46,9 +49,17 @@ def test_greedy_audit_calls_a_flipped_near_tie_a_tie():
         assert d.kind == ("near-tie" if d.speculative_token == d.runner_up or d.plain_token == d.runner_up else "bug")
 
 
+def sharpened_copy(target: HFModel, factor: float) -> HFModel:
+    """A draft model that puts almost all its mass on the target's argmax: a wrong residual then shows."""
+    model = copy.deepcopy(target.model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return HFModel(model, target.tokenizer, target.name + "-sharp")
+
+
 def test_sampling_audit_passes_real_verifier_and_catches_a_wrong_residual():
-    target = tiny_model("llama", seed=5, vocab=8, layers=1, hidden=16, initializer_range=0.6)
-    drafter = build_drafter("draft", target, draft_model=perturbed_copy(target, 1.0, seed=6), topk=1)
+    target = tiny_model("llama", seed=5, vocab=8, layers=1, hidden=16, initializer_range=0.3)
+    drafter = build_drafter("draft", target, draft_model=sharpened_copy(target, 8.0), topk=1)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0)
     assert audit_sampling(target, drafter, prompt, params, samples=3000).passed

@@ -109,7 +109,7 @@ def decode(
         verdict = verifier.verify(draft, target_logits, params, generator)
         cache.keep([0] + [i + 1 for i in verdict.accepted])  # root + accepted path
         t2 = time.perf_counter()
-        drafter.commit(verdict)
+        drafter.commit(verdict, draft, target_logits)
         t3 = time.perf_counter()
 
         stats.draft_seconds += (t1 - t0) + (t3 - t2)

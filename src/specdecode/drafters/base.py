@@ -43,8 +43,9 @@ class Drafter(ABC):
     def propose(self, context: list[int], params: SamplingParams, generator: torch.Generator) -> Draft:
         """A draft tree below context[-1] (the last committed token, not yet in the target's cache)."""
 
-    def commit(self, verdict: Verdict) -> None:
-        """The target accepted verdict.accepted and appended verdict.bonus; roll own state forward or back."""
+    def commit(self, verdict: Verdict, draft: Draft, target_logits: torch.Tensor) -> None:
+        """The target scored `draft` (target_logits [N+1, V]: root, then each node), accepted verdict.accepted
+        and appended verdict.bonus; roll own state forward or back, or learn from the logits."""
 
 
 def check_drafter_name(name: str) -> None:

@@ -1,0 +1,57 @@
+"""Hierarchy Drafting (Cho et al., 2025): n-gram databases searched in order of temporal locality.
+
+W: the current context (prompt and tokens generated so far); S: this model's own earlier generations (kept for
+the drafter's lifetime, across requests); L: a static corpus (option `corpus`, a text file tokenized once).
+Candidates are collected from W, then S, then L, until `guess` continuations are found; they form one
+deterministic tree (draft_probs None).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SpecDecodeError
+from ..tree import Draft, from_sequences
+from .base import Drafter, register
+from .ngram_table import NgramTable
+
+
+@register("hierarchy")
+class HierarchyDrafter(Drafter):
+    variants = ({}, {"guess": 2, "length": 2})
+
+    def __init__(self, target, guess: int = 7, length: int = 4, corpus: str | None = None):
+        if guess < 1 or length < 1:
+            raise TypeError("need guess >= 1 and length >= 1")
+        self.guess, self.length = guess, length
+        self.max_nodes = guess * length
+        self.history = NgramTable(length=length, per_key=16)  # S
+        self.corpus = NgramTable(length=length, per_key=16)  # L
+        if corpus:
+            try:
+                text = Path(corpus).read_text()
+            except OSError as exc:
+                raise SpecDecodeError(f"cannot read corpus {corpus}: {exc.strerror}.", "Check the path.") from None
+            self.corpus.add_sequence(target.tokenizer(text)["input_ids"])
+        self.context = NgramTable(length=length)  # W
+        self.prompt_len = 0
+        self.last_context: list[int] = []
+
+    def start(self, prompt_ids, capacity):
+        if len(self.last_context) > self.prompt_len:  # the previous request's answer joins S
+            self.history.add_sequence(self.last_context[self.prompt_len :])
+        self.context = NgramTable(length=self.length)
+        self.prompt_len = len(prompt_ids)
+        self.last_context = []
+
+    def propose(self, context, params, generator) -> Draft:
+        self.last_context = context
+        self.context.extend(context)
+        found: list[list[int]] = []
+        for table in (self.context, self.history, self.corpus):
+            for continuation in table.lookup(context, self.guess - len(found)):
+                if continuation not in found:
+                    found.append(continuation)
+            if len(found) >= self.guess:
+                break
+        return from_sequences(found)
