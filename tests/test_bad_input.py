@@ -121,3 +121,17 @@ def test_sampling_params_reject_nan():
     with pytest.raises(SpecDecodeError):
         SamplingParams(temperature=float("nan"))
     assert torch.isfinite(torch.tensor(SamplingParams(temperature=0.5).temperature))
+
+
+@pytest.mark.real_model
+def test_generate_compare_json_reports_identity_and_speedup(capsys, smollm2):
+    code = main(["generate", "--model", "smollm2-135m-instruct", "--drafter", "pld", "--chat", "--prompt",
+                 "List the days of the week, then list them again.", "--dtype", "float32", "--max-new-tokens", "40",
+                 "--compare", "--json"])
+    assert code == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert out["identical"] is True and out["speedup"] > 0
+    spec = out["speculative"]
+    assert spec["token_ids"] == out["baseline"]["token_ids"] and spec["new_tokens"] == len(spec["token_ids"])
+    assert spec["tau"] == pytest.approx(spec["new_tokens"] / spec["target_forwards"])
+    assert set(spec) >= {"text", "seconds", "tokens_per_second"}

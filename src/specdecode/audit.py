@@ -61,29 +61,38 @@ def audit_greedy(
     verifier: Verifier | None = None,
     tie_margin: float | None = None,
 ) -> GreedyAudit:
-    tie_margin = TIE_MARGIN.get(target.dtype, 0.5) if tie_margin is None else tie_margin
     greedy = SamplingParams()
     report = GreedyAudit()
     plain_drafter = build_drafter("none", target)
     for index, prompt in enumerate(tqdm(prompts, desc="audit (greedy)", unit="prompt")):
         plain, _ = generate(target, plain_drafter, prompt, max_new_tokens, greedy)
         spec, _ = generate(target, drafter, prompt, max_new_tokens, greedy, verifier)
-        if spec == plain:
+        divergence = classify_divergence(target, prompt, plain, spec, tie_margin, index)
+        if divergence is None:
             report.identical += 1
-            continue
-        pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-        if pos == min(len(plain), len(spec)):  # one stopped early: a length difference, never a tie
-            report.divergences.append(Divergence(index, pos, -1, -1, float("nan"), -1, "bug"))
-            continue
-        top2 = torch.topk(next_token_logits(target, prompt + plain[:pos]), 2)
-        margin = float(top2.values[0] - top2.values[1])
-        runner_up = int(top2.indices[1])
-        # Exact ties are common in low precision, so either of the top two may count as plain's choice.
-        near_tie = {plain[pos], spec[pos]} == set(top2.indices.tolist()) and margin <= tie_margin
-        report.divergences.append(
-            Divergence(index, pos, plain[pos], spec[pos], margin, runner_up, "near-tie" if near_tie else "bug")
-        )
+        else:
+            report.divergences.append(divergence)
     return report
+
+
+def classify_divergence(
+    target: CausalLM, prompt: list[int], plain: list[int], spec: list[int], tie_margin: float | None = None,
+    prompt_index: int = 0,
+) -> Divergence | None:
+    """None when identical; else where the outputs part and whether that is a near-tie of the dtype or a bug."""
+    if spec == plain:
+        return None
+    tie_margin = TIE_MARGIN.get(target.dtype, 0.5) if tie_margin is None else tie_margin
+    pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    if pos == min(len(plain), len(spec)):  # one stopped early: a length difference, never a tie
+        return Divergence(prompt_index, pos, -1, -1, float("nan"), -1, "bug")
+    top2 = torch.topk(next_token_logits(target, prompt + plain[:pos]), 2)
+    margin = float(top2.values[0] - top2.values[1])
+    # Exact ties are common in low precision, so either of the top two may count as plain's choice.
+    near_tie = {plain[pos], spec[pos]} == set(top2.indices.tolist()) and margin <= tie_margin
+    return Divergence(
+        prompt_index, pos, plain[pos], spec[pos], margin, int(top2.indices[1]), "near-tie" if near_tie else "bug"
+    )
 
 
 @dataclass

@@ -168,6 +168,10 @@ def cmd_generate(args) -> int:
         out = result.as_dict()
         if baseline:
             out = {"speculative": out, "baseline": baseline.as_dict(), **comparison(baseline, result)}
+            if not out["identical"] and sampling["temperature"] == 0:
+                from .audit import classify_divergence
+
+                out["divergence"] = classify_divergence(target, ids, baseline.token_ids, result.token_ids).__dict__
         print(json.dumps(out))
         return 0
 
@@ -182,7 +186,22 @@ def cmd_generate(args) -> int:
         print(f"[none] {summary(baseline.stats)}", file=sys.stderr)
         c = comparison(baseline, Result("", tokens, stats))
         print(f"speedup {c['speedup']:.2f}x, identical to plain decoding: {c['identical']}", file=sys.stderr)
+        if not c["identical"] and sampling["temperature"] == 0:
+            print(explain_divergence(target, ids, baseline.token_ids, tokens), file=sys.stderr)
     return 0
+
+
+def explain_divergence(target, prompt_ids, plain, spec) -> str:
+    from .audit import classify_divergence
+
+    d = classify_divergence(target, prompt_ids, plain, spec)
+    if d.kind == "bug":
+        return f"outputs part at new token {d.position} without a near-tie there: please report this as a bug."
+    dtype = str(target.dtype).removeprefix("torch.")
+    return (
+        f"outputs part at new token {d.position}, where plain decoding's top two logits are {d.margin:.3f} apart: "
+        f"a {dtype} near-tie that a different batch shape can round the other way (compare in float32 for exactness)."
+    )
 
 
 def summary(stats) -> str:
