@@ -7,6 +7,7 @@ import pytest
 from specdecode.drafters import DRAFTERS, build_drafter
 from specdecode.engine import generate
 from specdecode.sampling import SamplingParams
+from specdecode.text import chat_prompt_ids
 
 from conftest import FAMILIES, perturbed_copy, tiny_model
 
@@ -72,8 +73,4 @@ def smollm2_draft(smollm2):
 
 @pytest.fixture(scope="module")
 def smollm2_prompts(smollm2):
-    tok = smollm2.tokenizer
-    return [
-        list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
-        for p in REAL_PROMPTS
-    ]
+    return [chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": p}]) for p in REAL_PROMPTS]

@@ -11,7 +11,7 @@ from .errors import SpecDecodeError
 from .models.base import CausalLM
 from .models.loading import load_model
 from .sampling import SamplingParams
-from .text import TextAssembler
+from .text import TextAssembler, chat_prompt_ids
 
 
 @dataclass
@@ -60,8 +60,7 @@ class SpecDecoder:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise SpecDecodeError(f"{self.target.name} has no chat template.", "Drop --chat.")
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return chat_prompt_ids(self.tokenizer, messages)
         return self.tokenizer(prompt)["input_ids"]
 
     def stream(

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages under the model's chat template, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class TextAssembler:
     """Feed token ids step by step; get back the text that is final.
 

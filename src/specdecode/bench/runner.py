@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..errors import SpecDecodeError
 from ..models.loading import load_model
 from ..sampling import SamplingParams
+from ..text import chat_prompt_ids
 from .methods import Method, build_method
 from .metrics import BASELINE
 from .questions import Question
@@ -65,7 +66,7 @@ def machine() -> dict:
 def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> list[dict]:
     """Load the models, then run (or resume) the benchmark; return all records."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_or_write_config(config, out_dir)
+    _check_or_write_config(config, out_dir)  # refuse a mismatched folder before the slow model loads
     target = load_model(config.model, config.dtype)
     loaded: dict[str, object] = {}
 
@@ -118,8 +119,7 @@ def _prompt_ids(target, question: Question, turn: int, own_answers: list[list[in
         messages.append({"role": "user", "content": question.turns[t]})
         if t < turn:
             messages.append({"role": "assistant", "content": target.tokenizer.decode(own_answers[t], skip_special_tokens=True)})
-    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return chat_prompt_ids(target.tokenizer, messages)
 
 
 def _seed(config: BenchConfig, q: Question, turn: int, repeat: int) -> int:
@@ -127,10 +127,7 @@ def _seed(config: BenchConfig, q: Question, turn: int, repeat: int) -> int:
 
 
 def _warm_up(target, methods: list[Method], config: BenchConfig) -> None:
-    prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": WARMUP_PROMPT}], add_generation_prompt=True, tokenize=True
-    )
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
     for method in tqdm(methods, desc="warm-up", unit="method", leave=False):
         method.run(prompt, 8, SamplingParams(config.temperature, config.top_k, config.top_p, seed=0))
 
