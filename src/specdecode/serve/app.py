@@ -110,9 +110,9 @@ def create_app(decoder: SpecDecoder, model_name: str, api_key: str | None = None
         except SpecDecodeError as exc:
             return error(400, str(exc))
         run = Run(decoder, scheduler, prompt_ids, max_tokens, params, body.stops())
-        meta = Meta(chat, model_name, len(prompt_ids))
+        builder = ResponseBuilder(chat, model_name, len(prompt_ids))
         if body.stream:
-            return StreamingResponse(sse(run, meta), media_type="text/event-stream")
+            return StreamingResponse(sse(run, builder), media_type="text/event-stream")
         try:
             text = "".join([piece async for piece in run.pieces(request)])
         except SpecDecodeError as exc:
@@ -120,7 +120,7 @@ def create_app(decoder: SpecDecoder, model_name: str, api_key: str | None = None
         if run.cancelled:
             return error(499, "client closed the request")
         headers = {"x-specdecode-tau": f"{run.stats.tau:.3f}"}
-        return JSONResponse(meta.response(text, run), headers=headers)
+        return JSONResponse(builder.response(text, run), headers=headers)
 
     return app
 
@@ -162,7 +162,7 @@ class Run:
             self.job.cancel()  # no-op once finished; frees the caches of an abandoned or stopped request
 
 
-class Meta:
+class ResponseBuilder:
     def __init__(self, chat: bool, model: str, prompt_tokens: int):
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -198,18 +198,18 @@ class Meta:
                 "created": self.created, "model": self.model, "choices": [choice]}
 
 
-async def sse(run: Run, meta: Meta) -> AsyncIterator[str]:
+async def sse(run: Run, builder: ResponseBuilder) -> AsyncIterator[str]:
     """Server-sent events; the final chunk carries usage and the speculative statistics."""
-    yield f"data: {json.dumps(meta.chunk('', first=True))}\n\n"
+    yield f"data: {json.dumps(builder.chunk('', first=True))}\n\n"
     try:
         async for piece in run.pieces():
-            yield f"data: {json.dumps(meta.chunk(piece))}\n\n"
+            yield f"data: {json.dumps(builder.chunk(piece))}\n\n"
     except SpecDecodeError as exc:
         yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
         return
     finally:
         run.job.cancel()  # the client went away mid-stream: stop decoding and free the caches
-    final = meta.chunk(None, run.finish_reason)
-    final.update(usage=meta.usage(run), speculative=meta.speculative(run))
+    final = builder.chunk(None, run.finish_reason)
+    final.update(usage=builder.usage(run), speculative=builder.speculative(run))
     yield f"data: {json.dumps(final)}\n\n"
     yield "data: [DONE]\n\n"
