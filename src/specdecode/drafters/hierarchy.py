@@ -3,7 +3,8 @@
 W: the current context (prompt and tokens generated so far); S: this model's own earlier generations (kept for
 the drafter's lifetime, across requests); L: a static corpus (option `corpus`, a text file tokenized once).
 Candidates are collected from W, then S, then L, until `guess` continuations are found; they form one
-deterministic tree (draft_probs None).
+deterministic tree (draft_probs None). The paper collects 7; on a 2-core CPU, where every drafted token costs
+verification time, 2 measured faster (own prompts, Qwen2.5-Coder 1.5B, bf16): 1.08x against 0.83x with 7.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from .ngram_table import NgramTable
 
 @register("hierarchy")
 class HierarchyDrafter(Drafter):
-    variants = ({}, {"guess": 2, "length": 2})
+    variants = ({}, {"guess": 7, "length": 2})
 
-    def __init__(self, target, guess: int = 7, length: int = 4, corpus: str | None = None):
+    def __init__(self, target, guess: int = 2, length: int = 4, corpus: str | None = None):
         if guess < 1 or length < 1:
             raise TypeError("need guess >= 1 and length >= 1")
         self.guess, self.length = guess, length
