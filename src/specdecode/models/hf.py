@@ -34,7 +34,6 @@ class HFModel(CausalLM):
         self.tokenizer = tokenizer
         self.name = name
         config = model.config.get_text_config(decoder=True)
-        self.config = config
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = int(getattr(config, "max_position_embeddings", 4096))

