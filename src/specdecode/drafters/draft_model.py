@@ -9,6 +9,8 @@ the rejection verifier stays lossless). topk=1 is the classic Leviathan/Chen cha
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ..errors import SpecDecodeError
@@ -29,8 +31,8 @@ class DraftModelDrafter(Drafter):
         check_same_vocabulary(target, draft_model)
         self.model = draft_model
         self.depth, self.topk = depth, topk
-        self.budget = min(budget, depth * topk) if budget else depth * topk
-        self.max_nodes = max(self.budget, depth * topk)
+        self.max_nodes = depth * topk  # every node the tree can grow
+        self.budget = min(budget, self.max_nodes) if budget else self.max_nodes
         self.cache = None
 
     def start(self, prompt_ids, capacity):
@@ -124,8 +126,14 @@ class _TreeGrowth:
         return Draft(torch.tensor([self.tokens[n] for n in nodes]), torch.tensor(parents), probs)
 
 
+@lru_cache(maxsize=8)
+def _same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
+    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
 def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+    # Cached: the server builds a drafter per request, and comparing two 150k-entry vocabularies takes a while.
+    if not _same_vocabulary(target.tokenizer, draft.tokenizer):
         raise SpecDecodeError(
             f"draft model {draft.name} uses a different tokenizer than the target {target.name}.",
             "Use a draft model of the same family (same tokenizer); heterogeneous-vocabulary drafters "
