@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .drafters import build_drafter
-from .engine import Stats, decode
+from .engine import Stats, decode, generate
 from .errors import SpecDecodeError
 from .models.base import CausalLM
 from .models.loading import load_model
@@ -76,9 +76,9 @@ class SpecDecoder:
             yield Chunk(rest, [])
 
     def generate(self, prompt, max_new_tokens: int = 128, chat: bool = False, **sampling) -> Result:
-        stats = Stats()
-        tokens = [t for c in self.stream(prompt, max_new_tokens, chat, stats, **sampling) for t in c.token_ids]
-        return Result(self.decode_text(tokens), tokens, stats)
+        ids = self.encode(prompt, chat)
+        tokens, stats = generate(self.target, self.drafter, ids, max_new_tokens, SamplingParams(**sampling))
+        return Result(self.decode_text(tokens), tokens, stats)  # no per-step detokenizing inside the timing
 
     def decode_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
