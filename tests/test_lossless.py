@@ -9,7 +9,7 @@ from specdecode.engine import generate
 from specdecode.sampling import SamplingParams
 from specdecode.text import chat_prompt_ids
 
-from conftest import FAMILIES, perturbed_copy, tiny_model
+from conftest import TARGETS, perturbed_copy, tiny_pair as make_tiny_pair
 
 CASES = [(name, variant) for name, cls in sorted(DRAFTERS.items()) for variant in cls.variants]
 IDS = [f"{name}{variant or ''}" for name, variant in CASES]
@@ -23,10 +23,9 @@ def make_drafter(name, variant, target, draft_model):
     return build_drafter(name, target, **options)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=TARGETS)
 def tiny_pair(request):
-    target = tiny_model(request.param, seed=1)
-    return target, perturbed_copy(target, scale=0.1, seed=2)
+    return make_tiny_pair(request.param, seed=1)
 
 
 PROMPTS = [

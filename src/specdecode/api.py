@@ -39,11 +39,13 @@ class SpecDecoder:
         drafter: str = "none",
         draft_model: str | CausalLM | None = None,
         dtype: str = "bfloat16",
+        backend: str = "auto",
+        quant: str = "none",
         **drafter_options,
     ):
-        self.target = load_model(model, dtype)
+        self.target = load_model(model, dtype, backend, quant)
         self.drafter_name = drafter
-        self.draft_model = None if draft_model is None else load_model(draft_model, dtype)
+        self.draft_model = None if draft_model is None else load_model(draft_model, dtype, backend, quant)
         self.drafter_options = drafter_options
         self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer

@@ -47,14 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True)
     bench.add_argument(
         "--drafters", default="none,pld", help="comma-separated methods: NAME[:DRAFT_MODEL][+KEY=VALUE...], "
-        "hf-plain, hf-pld, hf-assisted:MODEL; none (the baseline) is always included",
+        "hf-plain, hf-pld, hf-assisted:MODEL; a suffix @hf, @native or @native-int4 runs that row on other target "
+        "weights than --backend/--quant; none (the baseline) is always included",
     )
     bench.add_argument("--questions", type=Path, help="Spec-Bench-format JSONL (default: the shipped Spec-Bench set)")
     bench.add_argument("--groups", default=",".join(GROUPS), help="groups or MT-bench categories")
     bench.add_argument("--per-group", type=int, default=5, help="questions per group (0 = all)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(bench)
-    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_weights_args(bench)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--out", type=Path, required=True, help="output folder (a killed run resumes from it)")
     bench.set_defaults(run=cmd_bench)
@@ -114,7 +115,19 @@ def add_model_args(parser: argparse.ArgumentParser, model_required: bool = True)
         "-o", "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
         help="drafter option, e.g. -o depth=5 -o topk=2 (repeatable)",
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_weights_args(parser)
+
+
+def add_weights_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="compute dtype")
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "native", "hf"],
+        help="native: our CPU model files (llama, qwen2); hf: transformers; auto: native where supported",
+    )
+    parser.add_argument(
+        "--quant", default="none", choices=["none", "int8", "int4"],
+        help="weight-only quantization of target and draft model (native backend; none = --dtype weights)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +160,9 @@ def decoder_from_args(args):
 
     options = parse_options(args.drafter_option)
     check_drafter_name(args.drafter)  # before the slow model load
-    return SpecDecoder(args.model, args.drafter, args.draft_model, args.dtype, **options)
+    return SpecDecoder(
+        args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant, **options
+    )
 
 
 def cmd_generate(args) -> int:
@@ -232,7 +247,8 @@ def cmd_bench(args) -> int:
     questions = select(load_questions(args.questions), groups, args.per_group)
     config = BenchConfig(
         model=args.model, methods=methods, question_ids=[q.question_id for q in questions], groups=groups,
-        max_new_tokens=args.max_new_tokens, dtype=args.dtype, repeats=args.repeats, command=command_line(),
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, backend=args.backend, quant=args.quant,
+        repeats=args.repeats, command=command_line(),
         **{k: v for k, v in sampling.items() if k != "seed"}, seed=sampling["seed"] or 0,
     )
     records = run_bench(config, questions, args.out)

@@ -2,7 +2,8 @@
 
 Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `draft:qwen2.5-coder-0.5b-instruct+depth=5`),
 `hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-pld` (transformers' prompt lookup), and
-`hf-plain` (transformers' own generate, to compare our baseline with).
+`hf-plain` (transformers' own generate, to compare our baseline with). Any spec may end in @WEIGHTS (`@hf`,
+`@native`, `@native-int4`, ...) to run on other target weights than the run's --backend/--quant.
 """
 
 from __future__ import annotations
@@ -73,14 +74,14 @@ class TransformersMethod(Method):
 
 
 def build_method(spec: str, target: CausalLM, load) -> Method:
-    """`load(model_spec)` returns a CausalLM in the run's dtype (cached by the caller)."""
-    if spec == "hf-plain":
-        return TransformersMethod(spec, target)
-    if spec == "hf-pld":
-        return TransformersMethod(spec, target, prompt_lookup_num_tokens=10)
-    if spec.startswith("hf-assisted:"):
-        return TransformersMethod(spec, target, assistant_model=load(spec.split(":", 1)[1]).model)
-    name, *option_pairs = spec.split("+")
+    """`load(model_spec, weights=None)` returns a CausalLM in the run's dtype, on the run's backend and quant or on
+    `weights` ('hf', 'native-int4', ...), cached by the caller. A spec's @WEIGHTS suffix picks the target's."""
+    head, _, weights = spec.partition("@")
+    if weights:
+        target = load(target.name, weights)
+    if head.startswith("hf-"):
+        return _transformers_method(spec, head, target, load)
+    name, *option_pairs = head.split("+")
     name, _, draft_model = name.partition(":")
     if name not in DRAFTERS:
         raise SpecDecodeError(
@@ -88,5 +89,20 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
             f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld or hf-assisted:MODEL.",
         )
     options = parse_options(option_pairs)
-    drafter = build_drafter(name, target, draft_model=load(draft_model) if draft_model else None, **options)
+    draft = load(draft_model, weights or None) if draft_model else None
+    drafter = build_drafter(name, target, draft_model=draft, **options)
     return EngineMethod(spec, target, drafter)
+
+
+def _transformers_method(spec: str, head: str, target: CausalLM, load) -> Method:
+    from ..models.hf import HFModel
+
+    if not isinstance(target, HFModel):  # transformers' generate needs its own model object
+        target = load(target.name, "hf")
+    if head == "hf-plain":
+        return TransformersMethod(spec, target)
+    if head == "hf-pld":
+        return TransformersMethod(spec, target, prompt_lookup_num_tokens=10)
+    if head.startswith("hf-assisted:"):
+        return TransformersMethod(spec, target, assistant_model=load(head.split(":", 1)[1], "hf").model)
+    raise SpecDecodeError(f"unknown method '{spec}'.", "Use hf-plain, hf-pld or hf-assisted:MODEL.")

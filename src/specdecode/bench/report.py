@@ -26,7 +26,8 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -> str:
     sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
     lines = [
-        f"# specdecode bench: {config.model}, {config.dtype}, {sampling}",
+        f"# specdecode bench: {config.model}, {config.dtype}, backend {config.backend}, weights {config.quant}, "
+        f"{sampling}",
         "",
         f"- Date: {when}",
         f"- Machine: {machine['cpu']}, {machine['threads']} threads; {machine['platform']}; "

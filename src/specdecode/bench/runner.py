@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import SpecDecodeError
-from ..models.loading import load_model
+from ..models.loading import check_load_options, load_model, parse_weights
 from ..sampling import SamplingParams
 from ..text import chat_prompt_ids
 from .methods import Method, build_method
@@ -35,6 +35,8 @@ class BenchConfig:
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "bfloat16"
+    backend: str = "auto"
+    quant: str = "none"
     repeats: int = 1
     command: str = field(default="", compare=False)
 
@@ -67,13 +69,18 @@ def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> 
     """Load the models, then run (or resume) the benchmark; return all records."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_config(config, out_dir)  # refuse a mismatched folder before the slow model loads
-    target = load_model(config.model, config.dtype)
-    loaded: dict[str, object] = {}
+    check_load_options(config.dtype, config.backend, config.quant)
+    loaded: dict[tuple, object] = {}
 
-    def load(spec: str):
-        if spec not in loaded:
-            loaded[spec] = load_model(spec, config.dtype)
-        return loaded[spec]
+    def load(spec: str, weights: str | None = None):
+        """A model on the run's backend and quant, or on `weights` ('hf', 'native', 'native-int4', ...)."""
+        backend, quant = (config.backend, config.quant) if weights is None else parse_weights(weights)
+        key = (spec, backend, quant)
+        if key not in loaded:
+            loaded[key] = load_model(spec, config.dtype, backend, quant)
+        return loaded[key]
+
+    target = load(config.model)
 
     methods = [build_method(spec, target, load) for spec in config.methods]
     return run_jobs(config, target, methods, questions, out_dir)

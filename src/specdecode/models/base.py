@@ -67,3 +67,13 @@ def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int 
         query_pos = cache.positions[cache.end : cache.end + q]
         mask &= (query_pos[:, None] - key_pos[None, :]) < window
     return mask
+
+
+def eos_token_ids(*sources) -> frozenset[int]:
+    """Every end-of-sequence id that a generation config, model config or tokenizer names."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return frozenset(int(i) for i in ids)

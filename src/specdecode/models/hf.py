@@ -6,7 +6,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import KVCache
-from .base import CausalLM, attention_mask
+from .base import CausalLM, attention_mask, eos_token_ids
 
 
 class _CacheView(Cache):
@@ -43,7 +43,7 @@ class HFModel(CausalLM):
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.n_layers
         self.layer_types = sorted(set(layer_types))
         self.sliding_window = getattr(config, "sliding_window", None)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(getattr(model, "generation_config", None), model.config, tokenizer)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
@@ -69,12 +69,3 @@ class HFModel(CausalLM):
         allowed = attention_mask(cache, q, tree_mask, window)  # [q, end+q]
         additive = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return additive[None, None]  # [1, 1, q, end+q]
-
-
-def _eos_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-    return frozenset(int(i) for i in ids)

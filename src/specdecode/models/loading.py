@@ -67,21 +67,32 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def load_model(spec: str | CausalLM, dtype: str = "bfloat16") -> CausalLM:
+BACKENDS = ("auto", "native", "hf")
+
+
+def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "auto", quant: str = "none") -> CausalLM:
+    """backend: native (our model files; --quant applies), hf (transformers), auto (native where the family has a
+    native file and the weights are local, else hf)."""
     if isinstance(spec, CausalLM):
         return spec
-    if dtype not in DTYPES:
-        raise SpecDecodeError(f"unknown dtype '{dtype}'.", f"Choose one of: {', '.join(DTYPES)}.")
+    check_load_options(dtype, backend, quant)
     source = resolve(spec)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    from .hf import HFModel
 
     hf_logging.disable_progress_bar()  # loading converted safetensors takes seconds; its bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], attn_implementation="sdpa")
+        model = None
+        if backend != "hf" and isinstance(source, Path):
+            from . import native
+
+            model = native.load(source, tokenizer, spec, DTYPES[dtype], quant)
+        if model is None:
+            _check_fallback(spec, backend, quant)
+            model = _load_transformers(source, tokenizer, spec, dtype)
+    except SpecDecodeError:
+        raise
     except Exception as exc:  # corrupt or incomplete files surface as many exception types
         raise SpecDecodeError(
             f"could not load model '{spec}' from {source}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
@@ -89,4 +100,40 @@ def load_model(spec: str | CausalLM, dtype: str = "bfloat16") -> CausalLM:
         ) from None
     finally:
         hf_logging.enable_progress_bar()
-    return HFModel(model, tokenizer, name=spec)
+    return model
+
+
+def check_load_options(dtype: str, backend: str, quant: str) -> None:
+    from .native import QUANTS
+
+    for what, value, choices in (("dtype", dtype, DTYPES), ("backend", backend, BACKENDS), ("quant", quant, QUANTS)):
+        if value not in choices:
+            raise SpecDecodeError(f"unknown {what} '{value}'.", f"Choose one of: {', '.join(choices)}.")
+    if backend == "hf" and quant != "none":
+        raise SpecDecodeError(f"--quant {quant} needs the native backend.", "Drop --backend hf, or drop --quant.")
+
+
+def parse_weights(weights: str) -> tuple[str, str]:
+    """'hf' | 'native' | 'native-int4' | 'auto-int8' -> (backend, quant), checked."""
+    backend, _, quant = weights.partition("-")
+    quant = quant or "none"
+    check_load_options("float32", backend, quant)
+    return backend, quant
+
+
+def _check_fallback(spec: str, backend: str, quant: str) -> None:
+    """The native backend was asked for (or quantized weights, which only it has) but cannot run this model."""
+    if backend == "native" or quant != "none":
+        raise SpecDecodeError(
+            f"the native backend has no model file for '{spec}' (native families: llama, qwen2; local weights only).",
+            "Use --backend hf (and no --quant) for this model.",
+        )
+
+
+def _load_transformers(source, tokenizer, name: str, dtype: str) -> CausalLM:
+    from transformers import AutoModelForCausalLM
+
+    from .hf import HFModel
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    return HFModel(model, tokenizer, name=name)

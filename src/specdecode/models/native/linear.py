@@ -1,0 +1,81 @@
+"""Weight-only quantized linear layers for the CPU, each using the fastest kernel for the number of rows.
+
+int4: group-wise affine (a scale and a zero per group of 32 input weights, as in GGUF Q4_K and gpt-fast), run by
+torch's `_weight_int4pack_mm_for_cpu`. int8: per-output-channel symmetric, run by `_weight_int8pack_mm`. Both
+kernels read 2-4x fewer bytes than bfloat16 at one row, but their cost grows with the rows (they de-quantize per
+row block), so above `packed_rows` rows (tree verification, prefill) a dense copy of the *de-quantized* weights is
+used instead. The two routes compute the same function of the same quantized weights: only the rounding order
+differs, as between any two batch shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUANTS = ("none", "int8", "int4")
+GROUP = 32  # int4 group size (GGUF Q4_K's sub-block)
+# Most rows for which the packed kernel beats the dense de-quantized weights, measured on a 2-core AVX-512 EPYC
+# (benchmarks/results/*kernels*): int4 is ahead up to about 8 rows, int8 up to about 4.
+PACKED_ROWS = {"int4": 8, "int8": 4}
+
+
+class Linear:
+    """y = x @ weight.T + bias for x [M, K], with weight [N, K] stored as `quant` asks."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype):
+        self.packed_rows = PACKED_ROWS.get(quant, 0)
+        self.bias = None if bias is None else bias.to(dtype)
+        self.kernel = None
+        if quant == "int4":
+            self.dense, self.kernel = _int4(weight, dtype)
+        elif quant == "int8":
+            self.dense, self.kernel = _int8(weight, dtype)
+        else:
+            self.dense = weight.to(dtype).contiguous()  # [N, K]
+
+    @property
+    def out_features(self) -> int:
+        return self.dense.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.kernel is not None and x.shape[0] <= self.packed_rows:
+            y = self.kernel(x)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dense, self.bias)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes [N, K] int32 in 0..15, scales [N, K/G], zeros [N, K/G]); w ~ (code - 8) * scale + zero."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP, GROUP)  # [N, K/G, G]
+    low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
+    scales = ((high - low) / 15).clamp(min=1e-10)
+    codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32)
+    return codes.reshape(n, k), scales, low + 8 * scales
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    groups = codes.reshape(n, k // GROUP, GROUP).float()
+    return ((groups - 8) * scales[..., None] + zeros[..., None]).reshape(n, k)  # [N, K]
+
+
+def _int4(weight: torch.Tensor, dtype: torch.dtype):
+    if weight.shape[1] % GROUP:
+        return weight.to(dtype).contiguous(), None  # not group-aligned: stays dense
+    codes, scales, zeros = quantize_int4(weight)
+    # the kernel's own rounding of its scale/zero table, applied to the dense copy too
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    dense = dequantize_int4(codes, scales.float(), zeros.float()).to(dtype)  # [N, K]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K/2] uint8
+    table = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+    return dense, lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, table)
+
+
+def _int8(weight: torch.Tensor, dtype: torch.dtype):
+    scales = (weight.float().abs().amax(1) / 127).clamp(min=1e-10)  # [N]
+    codes = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
+    scales = scales.to(dtype)
+    dense = (codes.float() * scales.float()[:, None]).to(dtype)
+    return dense, lambda x: torch._weight_int8pack_mm(x, codes, scales)

@@ -1,0 +1,112 @@
+"""The Llama architecture (Llama, SmolLM2; Qwen2 = the same with q/k/v biases), written for the engine: pre-norm
+blocks, grouped-query attention with rotary positions, SwiGLU MLP. Positions and the tree mask are arguments; the
+KV cache is the engine's preallocated KVCache; every matmul is a `Linear` in the chosen weight format."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ...cache import KVCache
+from ..base import CausalLM, attention_mask
+from .linear import Linear
+from .ops import apply_rotary, attend, inverse_frequencies, rms_norm, rotary
+
+
+@dataclass
+class Block:
+    attn_norm: torch.Tensor  # [d]
+    qkv: Linear  # [(Hq + 2 Hkv) D, d]: q, k and v fused into one matmul
+    out: Linear  # [d, Hq D]
+    mlp_norm: torch.Tensor  # [d]
+    gate_up: Linear  # [2 I, d]: gate and up fused
+    down: Linear  # [d, I]
+
+
+class LlamaModel(CausalLM):
+    def __init__(self, config, weights: Mapping[str, torch.Tensor], tokenizer, name: str, dtype, quant: str, eos_ids):
+        self.name, self.tokenizer, self.dtype, self.quant = name, tokenizer, dtype, quant
+        self.eos_token_ids = frozenset(eos_ids)
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = config.rms_norm_eps
+        self.max_context = int(config.max_position_embeddings)
+        self.inv_freq = inverse_frequencies(self.head_dim, _rope_theta(config))  # [D/2]
+        embed, head = weights.get("model.embed_tokens.weight"), weights.get("lm_head.weight")
+        embed = head if embed is None else embed  # tied weights are saved once, under either name
+        self.embed = embed.to(dtype)  # [V, d]
+        self.vocab_size = self.embed.shape[0]
+        self.blocks = [
+            self._block(weights, f"model.layers.{i}.", quant)
+            for i in tqdm(range(self.n_layers), desc=f"{name} ({quant})", unit="layer", leave=False)
+        ]
+        self.norm = weights["model.norm.weight"].to(dtype)  # [d]
+        self.lm_head = Linear(embed if head is None else head, None, quant, dtype)
+
+    def _block(self, weights, prefix: str, quant: str) -> Block:
+        def w(name):
+            return weights[prefix + name]
+
+        attn = [f"self_attn.{p}_proj" for p in "qkv"]
+        biases = [weights.get(f"{prefix}{p}.bias") for p in attn]
+        qkv_bias = None if biases[0] is None else torch.cat(biases)
+        return Block(
+            attn_norm=w("input_layernorm.weight").to(self.dtype),
+            qkv=Linear(torch.cat([w(f"{p}.weight") for p in attn]), qkv_bias, quant, self.dtype),
+            out=Linear(w("self_attn.o_proj.weight"), None, quant, self.dtype),
+            mlp_norm=w("post_attention_layernorm.weight").to(self.dtype),
+            gate_up=Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, quant, self.dtype),
+            down=Linear(w("mlp.down_proj.weight"), None, quant, self.dtype),
+        )
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False):
+        q = input_ids.shape[0]
+        cache.reserve(positions)
+        mask = None if q == 1 and cache.pending == 0 else attention_mask(cache, q, tree_mask)  # [q, end+q]
+        cos, sin = rotary(positions, self.inv_freq, self.dtype)  # [q, D]
+        hidden = self.embed[input_ids]  # [q, d]
+        for layer, block in enumerate(self.blocks):
+            hidden = hidden + self._attention(block, layer, cache, hidden, cos, sin, mask)
+            hidden = hidden + self._mlp(block, hidden)
+        cache.advance(q)
+        if last_only:
+            hidden = hidden[-1:]
+        return self.lm_head(rms_norm(hidden, self.norm, self.eps)).float()  # [q or 1, V]
+
+    def _attention(self, block: Block, layer: int, cache, hidden, cos, sin, mask) -> torch.Tensor:
+        q, hq, hkv, d = hidden.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = block.qkv(rms_norm(hidden, block.attn_norm, self.eps))  # [q, (Hq + 2 Hkv) D]
+        queries, keys, values = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        queries = apply_rotary(queries.view(q, hq, d).transpose(0, 1), cos, sin)  # [Hq, q, D]
+        keys = apply_rotary(keys.view(q, hkv, d).transpose(0, 1), cos, sin)  # [Hkv, q, D]
+        values = values.view(q, hkv, d).transpose(0, 1)  # [Hkv, q, D]
+        return block.out(attend(cache, layer, queries, keys, values, mask))  # [q, d]
+
+    def _mlp(self, block: Block, hidden) -> torch.Tensor:
+        gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [q, I] each
+        return block.down(F.silu(gate) * up)  # [q, d]
+
+
+Model = LlamaModel
+
+
+def supports(config) -> bool:
+    """Plain RoPE, no sliding window: what this file implements."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    window = getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
+    return rope.get("rope_type", "default") == "default" and not window and config.hidden_act == "silu"
+
+
+def _rope_theta(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

@@ -1,0 +1,97 @@
+"""The native backend computes what the transformers adapter computes, and its int8/int4 weights stay close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.drafters import build_drafter
+from specdecode.engine import generate
+from specdecode.models.base import forward_tree, prefill
+from specdecode.models.loading import load_model
+from specdecode.models.native.linear import Linear
+from specdecode.sampling import SamplingParams
+from specdecode.tree import Draft
+from specdecode.errors import SpecDecodeError
+
+from conftest import native_twin, tiny_model
+
+PROMPT = [3, 9, 4, 17, 3, 9, 4, 22, 5, 31]
+TREE = Draft(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, 0, -1, 2, 2]), None)
+
+
+def scores(model):
+    """Prefill logits, a tree's logits, and one level grown on top of an uncommitted tree (as draft models do)."""
+    cache = model.new_cache(64)
+    first = prefill(model, cache, PROMPT)  # [V]
+    tree = forward_tree(model, cache, 11, TREE)  # [6, V]
+    # a second forward while the tree is still uncommitted: one query that sees the root and node 2 only
+    seen = torch.tensor([[True, False, False, True, False, False, True]])
+    grown = model.forward(cache, torch.tensor([12]), torch.tensor([len(PROMPT) + 2]), seen)  # [1, V]
+    return torch.cat([first[None], tree, grown])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_native_logits_match_transformers(family, dtype, tol):
+    hf = tiny_model(family, seed=3, dtype=dtype)
+    expected, actual = scores(hf), scores(native_twin(hf))
+    assert (expected - actual).abs().max() <= tol * expected.abs().max()
+
+
+def test_native_sees_the_tree_mask():
+    """A planted mistake (attention to everything) must show up: the comparison above can fail."""
+    hf = tiny_model("qwen2", seed=3)
+    native = native_twin(hf)
+    cache = native.new_cache(64)
+    prefill(native, cache, PROMPT)
+    root, parents = torch.tensor([11]), TREE.parents
+    ids = torch.cat([root, TREE.tokens])
+    positions = torch.tensor([10, 11, 12, 11, 12, 12])
+    everything = torch.ones(6, 6, dtype=torch.bool).tril()
+    wrong = native.forward(cache, ids, positions, everything)
+    cache.discard()
+    assert (wrong - scores(native)[1:7]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("quant,bound", [("int8", 0.02), ("int4", 0.25)])
+def test_quantization_error_is_bounded(quant, bound):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05  # [N, K]
+    x = torch.randn(12, 128)
+    exact = x @ weight.T
+    layer = Linear(weight, None, quant, torch.float32)
+    for rows in (1, 12):  # the packed kernel (few rows) and the de-quantized dense weights (many rows)
+        out = layer(x[:rows])
+        assert (out - exact[:rows]).norm() <= bound * exact[:rows].norm()
+    # both routes compute the same function of the same quantized weights
+    assert torch.allclose(layer(x[:1]), layer(x)[:1], atol=1e-5)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("quant,error,agreement", [("int8", 0.08, 0.95), ("int4", 0.12, 0.9)])
+def test_quantized_smollm2_stays_close_to_dense(smollm2, quant, error, agreement):
+    """Teacher-forced logits over a text: relative error and top-1 agreement against the float weights."""
+    quantized = load_model("smollm2-135m-instruct", "float32", quant=quant)
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n\nParis is in France."
+    ids = torch.tensor(smollm2.tokenizer(text)["input_ids"])
+    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    dense, approx = (m.forward(m.new_cache(len(ids)), ids, torch.arange(len(ids)), causal) for m in (smollm2, quantized))
+    assert (approx - dense).norm() <= error * dense.norm()
+    assert (approx.argmax(-1) == dense.argmax(-1)).float().mean() >= agreement
+
+
+@pytest.mark.real_model
+def test_smollm2_native_greedy_identical_to_transformers(smollm2):
+    hf = load_model("smollm2-135m-instruct", "float32", backend="hf")
+    prompt = hf.tokenizer("def fibonacci(n):")["input_ids"]
+    plain = SamplingParams()
+    expected, _ = generate(hf, build_drafter("none", hf), prompt, 32, plain)
+    actual, _ = generate(smollm2, build_drafter("none", smollm2), prompt, 32, plain)
+    assert type(smollm2).__name__ != type(hf).__name__
+    assert actual == expected
+
+
+def test_quant_needs_the_native_backend():
+    with pytest.raises(SpecDecodeError, match="native backend"):
+        load_model("smollm2-135m-instruct", "bfloat16", backend="hf", quant="int4")
