@@ -60,7 +60,7 @@ def test_quantization_error_is_bounded(quant, bound):
     weight = torch.randn(96, 128) * 0.05  # [N, K]
     x = torch.randn(12, 128)
     exact = x @ weight.T
-    layer = Linear(weight, None, quant, torch.float32)
+    layer = Linear.of(weight, None, quant, torch.float32)
     for rows in (1, 12):  # the packed kernel (few rows) and the de-quantized dense weights (many rows)
         out = layer(x[:rows])
         assert (out - exact[:rows]).norm() <= bound * exact[:rows].norm()
@@ -79,6 +79,25 @@ def test_quantized_smollm2_stays_close_to_dense(smollm2, quant, error, agreement
     dense, approx = (m.forward(m.new_cache(len(ids)), ids, torch.arange(len(ids)), causal) for m in (smollm2, quantized))
     assert (approx - dense).norm() <= error * dense.norm()
     assert (approx.argmax(-1) == dense.argmax(-1)).float().mean() >= agreement
+
+
+def test_prepared_weights_cache_round_trip(tmp_path, monkeypatch):
+    """The second load reads the quantized layers from the cache file instead of quantizing again."""
+    from specdecode.models import native
+    from specdecode.models.native import linear, weights
+
+    hf = tiny_model("llama", seed=3)
+    config, raw = hf.model.config, {k: v.detach() for k, v in hf.model.state_dict().items()}
+    cache_file = tmp_path / "prepared.safetensors"
+
+    def load():
+        prepared = weights.PreparedWeights(raw, "int4", torch.float32, cache_file)
+        return native.build(config, prepared, hf.tokenizer, "tiny", eos_ids=[])
+
+    first = scores(load())
+    assert cache_file.exists()
+    monkeypatch.setattr(weights, "prepare", lambda *a: pytest.fail("prepared again instead of read from the cache"))
+    assert torch.equal(scores(load()), first)
 
 
 @pytest.mark.real_model

@@ -21,28 +21,39 @@ PACKED_ROWS = {"int4": 8, "int8": 4}
 
 
 class Linear:
-    """y = x @ weight.T + bias for x [M, K], with weight [N, K] stored as `quant` asks."""
+    """y = x @ weight.T + bias for x [M, K], from the tensors `prepare` made of weight [N, K]:
+    dense [N, K] (de-quantized when quantized), bias [N] (optional), packed + scales (quantized only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype):
-        self.packed_rows = PACKED_ROWS.get(quant, 0)
-        self.bias = None if bias is None else bias.to(dtype)
-        self.kernel = None
-        if quant == "int4":
-            self.dense, self.kernel = _int4(weight, dtype)
-        elif quant == "int8":
-            self.dense, self.kernel = _int8(weight, dtype)
-        else:
-            self.dense = weight.to(dtype).contiguous()  # [N, K]
+    def __init__(self, tensors: dict[str, torch.Tensor], quant: str):
+        self.quant = quant
+        self.dense, self.bias = tensors["dense"], tensors.get("bias")
+        self.packed, self.scales = tensors.get("packed"), tensors.get("scales")
+        self.packed_rows = PACKED_ROWS.get(quant, 0) if self.packed is not None else 0
 
-    @property
-    def out_features(self) -> int:
-        return self.dense.shape[0]
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype) -> "Linear":
+        return cls(prepare(weight, bias, quant, dtype), quant)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if self.kernel is not None and x.shape[0] <= self.packed_rows:
-            y = self.kernel(x)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dense, self.bias)
+        if x.shape[0] > self.packed_rows:
+            return F.linear(x, self.dense, self.bias)
+        if self.quant == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        else:
+            y = torch._weight_int8pack_mm(x, self.packed, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def prepare(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors a Linear runs on (what the prepared-weights cache stores)."""
+    tensors = {} if bias is None else {"bias": bias.to(dtype)}
+    if quant == "int4" and weight.shape[1] % GROUP == 0:
+        tensors.update(_int4(weight, dtype))
+    elif quant == "int8":
+        tensors.update(_int8(weight, dtype))
+    else:  # dense (also an int4 layer whose input width is not a multiple of the group)
+        tensors["dense"] = weight.to(dtype).contiguous()  # [N, K]
+    return tensors
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,21 +72,18 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return ((groups - 8) * scales[..., None] + zeros[..., None]).reshape(n, k)  # [N, K]
 
 
-def _int4(weight: torch.Tensor, dtype: torch.dtype):
-    if weight.shape[1] % GROUP:
-        return weight.to(dtype).contiguous(), None  # not group-aligned: stays dense
+def _int4(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     codes, scales, zeros = quantize_int4(weight)
-    # the kernel's own rounding of its scale/zero table, applied to the dense copy too
-    scales, zeros = scales.to(dtype), zeros.to(dtype)
-    dense = dequantize_int4(codes, scales.float(), zeros.float()).to(dtype)  # [N, K]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K/2] uint8
-    table = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
-    return dense, lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, table)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)  # the kernel's own rounding, applied to the dense copy too
+    return {
+        "dense": dequantize_int4(codes, scales.float(), zeros.float()).to(dtype),  # [N, K]
+        "packed": torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),  # [N, K/2] uint8
+        "scales": torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous(),  # [K/G, N, 2]
+    }
 
 
-def _int8(weight: torch.Tensor, dtype: torch.dtype):
+def _int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     scales = (weight.float().abs().amax(1) / 127).clamp(min=1e-10)  # [N]
     codes = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
     scales = scales.to(dtype)
-    dense = (codes.float() * scales.float()[:, None]).to(dtype)
-    return dense, lambda x: torch._weight_int8pack_mm(x, codes, scales)
+    return {"dense": (codes.float() * scales.float()[:, None]).to(dtype), "packed": codes, "scales": scales}

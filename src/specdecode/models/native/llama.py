@@ -4,7 +4,6 @@ KV cache is the engine's preallocated KVCache; every matmul is a `Linear` in the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from tqdm.auto import tqdm
 from ...cache import KVCache
 from ..base import CausalLM, attention_mask
 from .linear import Linear
+from .weights import PreparedWeights
 from .ops import apply_rotary, attend, inverse_frequencies, rms_norm, rotary
 
 
@@ -28,8 +28,8 @@ class Block:
 
 
 class LlamaModel(CausalLM):
-    def __init__(self, config, weights: Mapping[str, torch.Tensor], tokenizer, name: str, dtype, quant: str, eos_ids):
-        self.name, self.tokenizer, self.dtype, self.quant = name, tokenizer, dtype, quant
+    def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
+        self.name, self.tokenizer, self.dtype, self.quant = name, tokenizer, weights.dtype, weights.quant
         self.eos_token_ids = frozenset(eos_ids)
         self.n_layers = config.num_hidden_layers
         self.n_heads = config.num_attention_heads
@@ -38,31 +38,28 @@ class LlamaModel(CausalLM):
         self.eps = config.rms_norm_eps
         self.max_context = int(config.max_position_embeddings)
         self.inv_freq = inverse_frequencies(self.head_dim, _rope_theta(config))  # [D/2]
-        embed, head = weights.get("model.embed_tokens.weight"), weights.get("lm_head.weight")
-        embed = head if embed is None else embed  # tied weights are saved once, under either name
-        self.embed = embed.to(dtype)  # [V, d]
+        # tied weights are saved once, under either name
+        embed = "model.embed_tokens.weight" if weights.has("model.embed_tokens.weight") else "lm_head.weight"
+        head = "lm_head.weight" if weights.has("lm_head.weight") else embed
+        self.embed = weights.tensor(embed)  # [V, d]
         self.vocab_size = self.embed.shape[0]
         self.blocks = [
-            self._block(weights, f"model.layers.{i}.", quant)
-            for i in tqdm(range(self.n_layers), desc=f"{name} ({quant})", unit="layer", leave=False)
+            self._block(weights, f"model.layers.{i}.")
+            for i in tqdm(range(self.n_layers), desc=f"{name} ({self.quant})", unit="layer", leave=False)
         ]
-        self.norm = weights["model.norm.weight"].to(dtype)  # [d]
-        self.lm_head = Linear(embed if head is None else head, None, quant, dtype)
+        self.norm = weights.tensor("model.norm.weight")  # [d]
+        self.lm_head = weights.linear("lm_head", [head])
 
-    def _block(self, weights, prefix: str, quant: str) -> Block:
-        def w(name):
-            return weights[prefix + name]
-
-        attn = [f"self_attn.{p}_proj" for p in "qkv"]
-        biases = [weights.get(f"{prefix}{p}.bias") for p in attn]
-        qkv_bias = None if biases[0] is None else torch.cat(biases)
+    def _block(self, weights: PreparedWeights, prefix: str) -> Block:
+        attn = [f"{prefix}self_attn.{p}_proj" for p in "qkv"]
+        mlp = [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up")]
         return Block(
-            attn_norm=w("input_layernorm.weight").to(self.dtype),
-            qkv=Linear(torch.cat([w(f"{p}.weight") for p in attn]), qkv_bias, quant, self.dtype),
-            out=Linear(w("self_attn.o_proj.weight"), None, quant, self.dtype),
-            mlp_norm=w("post_attention_layernorm.weight").to(self.dtype),
-            gate_up=Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, quant, self.dtype),
-            down=Linear(w("mlp.down_proj.weight"), None, quant, self.dtype),
+            attn_norm=weights.tensor(prefix + "input_layernorm.weight"),
+            qkv=weights.linear(prefix + "qkv", [p + ".weight" for p in attn], [p + ".bias" for p in attn]),
+            out=weights.linear(prefix + "o", [prefix + "self_attn.o_proj.weight"]),
+            mlp_norm=weights.tensor(prefix + "post_attention_layernorm.weight"),
+            gate_up=weights.linear(prefix + "gate_up", mlp),
+            down=weights.linear(prefix + "down", [prefix + "mlp.down_proj.weight"]),
         )
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -84,12 +81,11 @@ class LlamaModel(CausalLM):
         return self.lm_head(rms_norm(hidden, self.norm, self.eps)).float()  # [q or 1, V]
 
     def _attention(self, block: Block, layer: int, cache, hidden, cos, sin, mask) -> torch.Tensor:
-        q, hq, hkv, d = hidden.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        q, hq, hkv = hidden.shape[0], self.n_heads, self.n_kv_heads
         qkv = block.qkv(rms_norm(hidden, block.attn_norm, self.eps))  # [q, (Hq + 2 Hkv) D]
-        queries, keys, values = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        queries = apply_rotary(queries.view(q, hq, d).transpose(0, 1), cos, sin)  # [Hq, q, D]
-        keys = apply_rotary(keys.view(q, hkv, d).transpose(0, 1), cos, sin)  # [Hkv, q, D]
-        values = values.view(q, hkv, d).transpose(0, 1)  # [Hkv, q, D]
+        heads = qkv.view(q, hq + 2 * hkv, self.head_dim).transpose(0, 1)  # [Hq + 2 Hkv, q, D]
+        rotated = apply_rotary(heads[: hq + hkv], cos, sin)  # queries and keys at once
+        queries, keys, values = rotated[:hq], rotated[hq:], heads[hq + hkv :]
         return block.out(attend(cache, layer, queries, keys, values, mask))  # [q, d]
 
     def _mlp(self, block: Block, hidden) -> torch.Tensor:

@@ -9,10 +9,7 @@ from ...cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [q, d]
-    """Normalised in float32, scaled in the model's dtype (the reference implementations' order)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:  # [D/2]
@@ -41,9 +38,15 @@ def attend(
     mask: torch.Tensor | None,  # [q, end+q] bool, None = everything visible
     scale: float | None = None,
 ) -> torch.Tensor:  # [q, Hq*D]
-    """Write the new keys/values into the cache's reserved slots, then attend over all entries so far."""
+    """Write the new keys/values into the cache's reserved slots, then attend over all entries so far.
+
+    Grouped-query attention without copying keys: the G query heads that share a KV head are stacked as G*q
+    query rows of that head (and the mask's rows repeated G times), so each KV head is read once."""
+    hq, q, d = queries.shape
+    hkv = keys.shape[0]
+    group = hq // hkv
     all_keys, all_values = cache.update(layer, keys[None], values[None])  # [1, Hkv, end+q, D]
-    out = F.scaled_dot_product_attention(
-        queries[None], all_keys, all_values, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [1, Hq, q, D]
-    return out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+    stacked = queries.reshape(hkv, group * q, d)  # [Hkv, G*q, D]: rows g*q + i = head (kv*G + g), query i
+    mask = None if mask is None else mask.repeat(group, 1)  # [G*q, end+q]
+    out = F.scaled_dot_product_attention(stacked[None], all_keys, all_values, attn_mask=mask, scale=scale)
+    return out.view(hq, q, d).transpose(0, 1).reshape(q, hq * d)  # [q, Hq*D]
