@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -17,18 +19,19 @@ from specdecode.errors import SpecDecodeError
 from conftest import tiny_model
 
 
-def record(method, qid, group, tokens, seconds, forwards=None, draft=0.0, verify=0.0, drafted=0, accepted=0, ids=None):
+def record(method, qid, group, tokens, seconds, forwards=None, draft=0.0, verify=0.0, drafted=0, accepted=0, ids=None,
+           prefill=None):
     return dict(
         method=method, question_id=qid, group=group, turn=0, repeat=0, new_tokens=tokens, seconds=seconds,
         target_forwards=forwards, draft_seconds=draft, verify_seconds=verify, drafted_tokens=drafted,
-        accepted_tokens=accepted, token_ids=ids if ids is not None else list(range(tokens)),
+        accepted_tokens=accepted, token_ids=ids if ids is not None else list(range(tokens)), prefill_seconds=prefill,
     )
 
 
 def test_metrics_from_known_timings():
     records = [
-        record("none", 1, "a", 10, 2.0, forwards=10, verify=1.5),
-        record("none", 2, "b", 20, 2.0, forwards=20, verify=1.5),
+        record("none", 1, "a", 10, 2.0, forwards=10, verify=1.5, prefill=0.5),
+        record("none", 2, "b", 20, 2.0, forwards=20, verify=1.5, prefill=0.5),
         record("spec", 1, "a", 10, 1.0, forwards=4, draft=0.25, verify=0.5, drafted=12, accepted=6),
         record("spec", 2, "b", 20, 0.5, forwards=5, draft=0.1, verify=0.3, drafted=20, accepted=15, ids=[7] * 20),
         record("peer", 1, "a", 10, 4.0),
@@ -36,6 +39,7 @@ def test_metrics_from_known_timings():
     ]
     table = aggregate(records, ["none", "spec", "peer"], ["a", "b"])
     assert table["none"]["a"]["tokens_per_second"] == 5.0
+    assert table["none"]["overall"]["decode_tokens_per_second"] == pytest.approx(28 / 3)  # first tokens left out
     assert table["spec"]["a"]["speedup"] == pytest.approx(2.0)  # 10/1 vs 10/2
     assert table["spec"]["b"]["speedup"] == pytest.approx(4.0)  # 40 vs 10 tokens/s
     overall = table["spec"]["overall"]
@@ -47,6 +51,7 @@ def test_metrics_from_known_timings():
     assert overall["other_share"] == pytest.approx(0.35 / 1.5)
     assert overall["identical_share"] == 0.5  # question 2 produced other tokens
     assert table["peer"]["overall"]["tau"] is None
+    assert table["peer"]["overall"]["decode_tokens_per_second"] is None  # no time to first token recorded
     assert table["peer"]["overall"]["speedup"] == pytest.approx(0.5)
 
 
@@ -120,7 +125,7 @@ def test_report_files(tmp_path):
     write_report(config, records, tmp_path, machine, "2026-01-01 00:00 UTC")
     report = (tmp_path / "report.md").read_text()
     assert "| none | 1.00x | 1.00x | 1.00 | 1.00x |" in report
-    assert "| pld |" in report and "test cpu" in report
+    assert "| pld |" in report and "test cpu" in report and "| decode tok/s |" in report
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["records"]) == 6 and results["metrics"]["pld"]["overall"]["identical_share"] == 1.0
     assert (tmp_path / "speedup.png").stat().st_size > 1000
@@ -132,3 +137,37 @@ def test_unknown_method_names_the_choices():
     with pytest.raises(SpecDecodeError, match="hf-assisted"):
         build_method("medusa-ish", target, load=lambda spec: None)
     assert build_method("pld+k=3", target, load=None).drafter.k == 3
+
+
+def test_llama_cpp_rows_without_the_extra_say_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    with pytest.raises(SpecDecodeError, match=r"pip install 'specdecode\[llamacpp\]'"):
+        build_method("llama.cpp", tiny_model("llama"), load=None)
+
+
+def test_llama_cpp_rows_need_a_gguf_model():
+    from specdecode.models.loading import gguf_file
+
+    with pytest.raises(SpecDecodeError, match="not a GGUF model"):
+        gguf_file("some/transformers-model")
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llama_cpp_rows_run_in_the_bench(smollm2, tmp_path):
+    methods = [EngineMethod("none", smollm2, build_drafter("none", smollm2))]
+    methods += [build_method(spec, smollm2, load=None) for spec in ("llama.cpp", "llama.cpp-pld")]
+    config = BenchConfig(model=smollm2.name, methods=[m.label for m in methods], question_ids=[1, 2],
+                         groups=["mt_bench", "summarization"], max_new_tokens=8, dtype="float32")
+    records = run_jobs(config, smollm2, methods, QUESTIONS, tmp_path)
+    assert len(records) == 9
+    for r in records:
+        assert 0 < r["new_tokens"] <= 8 and 0 < r["prefill_seconds"] <= r["seconds"]
+        assert len(r["token_ids"]) == r["new_tokens"] and all(t < smollm2.vocab_size for t in r["token_ids"])
+    plain = [r for r in records if r["method"] == "llama.cpp"]
+    assert all(r["target_forwards"] == r["new_tokens"] for r in plain)
+    machine = {"cpu": "test cpu", "threads": 1, "platform": "test", "torch": "x", "transformers": "y",
+               "llama_cpp": "z"}
+    write_report(config, records, tmp_path, machine, "2026-01-01 00:00 UTC")
+    report = (tmp_path / "report.md").read_text()
+    assert "| llama.cpp |" in report and "| llama.cpp-pld |" in report and "llama-cpp-python z" in report

@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True)
     bench.add_argument(
         "--drafters", default="none,pld", help="comma-separated methods: NAME[:DRAFT_MODEL][+KEY=VALUE...], "
-        "hf-plain, hf-pld, hf-assisted:MODEL; a suffix @hf, @native or @native-int4 runs that row on other target "
-        "weights than --backend/--quant; none (the baseline) is always included",
+        "hf-plain, hf-pld, hf-assisted:MODEL, llama.cpp, llama.cpp-pld (pip install 'specdecode[llamacpp]'); a suffix "
+        "@hf, @native or @native-int4 runs that row on other target weights than --backend/--quant; none (the "
+        "baseline) is always included",
     )
     bench.add_argument("--questions", type=Path, help="Spec-Bench-format JSONL (default: the shipped Spec-Bench set)")
     bench.add_argument("--groups", default=",".join(GROUPS), help="groups or MT-bench categories")

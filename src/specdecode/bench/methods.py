@@ -2,8 +2,10 @@
 
 Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `draft:qwen2.5-coder-0.5b-instruct+depth=5`),
 `hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-pld` (transformers' prompt lookup), and
-`hf-plain` (transformers' own generate, to compare our baseline with). Any spec may end in @WEIGHTS (`@hf`,
-`@native`, `@native-int4`, ...) to run on other target weights than the run's --backend/--quant.
+`hf-plain` (transformers' own generate, to compare our baseline with), and `llama.cpp` / `llama.cpp-pld`
+(llama-cpp-python's plain and prompt-lookup decoding of the target's GGUF file; see llamacpp.py). Any spec but
+the llama.cpp ones may end in @WEIGHTS (`@hf`, `@native`, `@native-int4`, ...) to run on other target weights
+than the run's --backend/--quant.
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ class EngineMethod(Method):
         return record
 
 
+class FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives (generate puts the prompt first)."""
+
+    def __init__(self):
+        self.start, self.puts, self.first_token_seconds = time.perf_counter(), 0, 0.0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_seconds = time.perf_counter() - self.start
+
+    def end(self):
+        pass
+
+
 class TransformersMethod(Method):
     """transformers' generate() on the same loaded weights, with its own speculative options."""
 
@@ -56,7 +73,7 @@ class TransformersMethod(Method):
         )
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        start = time.perf_counter()
+        clock = FirstTokenClock()
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids,
@@ -65,17 +82,23 @@ class TransformersMethod(Method):
                 eos_token_id=sorted(self.target.eos_token_ids),
                 pad_token_id=sorted(self.target.eos_token_ids)[0],
                 repetition_penalty=1.0,
+                streamer=clock,
                 **sampling,
                 **self.options,
             )
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - clock.start
         tokens = out[0, len(prompt_ids) :].tolist()
-        return {"token_ids": tokens, "new_tokens": len(tokens), "seconds": seconds, "target_forwards": None}
+        return {"token_ids": tokens, "new_tokens": len(tokens), "seconds": seconds,
+                "prefill_seconds": clock.first_token_seconds, "target_forwards": None}
 
 
 def build_method(spec: str, target: CausalLM, load) -> Method:
     """`load(model_spec, weights=None)` returns a CausalLM in the run's dtype, on the run's backend and quant or on
     `weights` ('hf', 'native-int4', ...), cached by the caller. A spec's @WEIGHTS suffix picks the target's."""
+    if spec in ("llama.cpp", "llama.cpp-pld"):  # llama.cpp runs the GGUF file, whatever the run's weights
+        from .llamacpp import LlamaCppMethod  # llama-cpp-python is an optional extra
+
+        return LlamaCppMethod(spec, target, prompt_lookup=spec == "llama.cpp-pld")
     head, _, weights = spec.partition("@")
     if weights:
         target = load(target.name, weights)
@@ -86,7 +109,8 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
     if name not in DRAFTERS:
         raise SpecDecodeError(
             f"unknown method '{spec}'.",
-            f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld or hf-assisted:MODEL.",
+            f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld, hf-assisted:MODEL, llama.cpp or "
+            "llama.cpp-pld.",
         )
     options = parse_options(option_pairs)
     draft = load(draft_model, weights or None) if draft_model else None

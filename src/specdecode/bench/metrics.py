@@ -39,12 +39,15 @@ def summarize(rows: list[dict], baseline_tokens: dict) -> dict:
     forwards = [r.get("target_forwards") for r in rows]
     drafted = sum(r.get("drafted_tokens") or 0 for r in rows)
     accepted = sum(r.get("accepted_tokens") or 0 for r in rows)
+    first_token = [r.get("prefill_seconds") for r in rows]  # the prefill, which yields the first new token
+    decode_seconds = seconds - sum(first_token) if rows and None not in first_token else None
     compared = [r for r in rows if key(r) in baseline_tokens]
     return {
         "records": len(rows),
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "decode_tokens_per_second": (tokens - len(rows)) / decode_seconds if decode_seconds else None,
         "tau": tokens / sum(forwards) if rows and None not in forwards and sum(forwards) else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "draft_share": draft / seconds if seconds else None,

@@ -25,13 +25,15 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -> str:
     sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
+    llama_cpp = any(m.startswith("llama.cpp") for m in config.methods)
     lines = [
         f"# specdecode bench: {config.model}, {config.dtype}, backend {config.backend}, weights {config.quant}, "
         f"{sampling}",
         "",
         f"- Date: {when}",
         f"- Machine: {machine['cpu']}, {machine['threads']} threads; {machine['platform']}; "
-        f"torch {machine['torch']}, transformers {machine['transformers']}",
+        f"torch {machine['torch']}, transformers {machine['transformers']}"
+        + (f", llama-cpp-python {machine.get('llama_cpp')}" if llama_cpp else ""),
         f"- Command: `{config.command}`",
         f"- Questions: Spec-Bench, {len(config.question_ids)} questions ({', '.join(groups)}), "
         f"ids {config.question_ids}; evenly spaced within each group; chat template applied; "
@@ -52,21 +54,27 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -
         "",
         "## Details (all groups)",
         "",
-        "| Method | tokens/s | tau | acceptance | draft time | verify time | other time | identical to `none` |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| Method | tokens/s | decode tok/s | tau | acceptance | draft time | verify time | other time "
+        "| identical to `none` |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for method, row in table.items():
         m = row["overall"]
         lines.append(
-            f"| {method} | {m['tokens_per_second']:.2f} | {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.1%')} | "
+            f"| {method} | {m['tokens_per_second']:.2f} | {_fmt(m['decode_tokens_per_second'], '.2f')} | "
+            f"{_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.1%')} | "
             f"{_fmt(m['draft_share'], '.0%')} | {_fmt(m['verify_share'], '.0%')} | {_fmt(m['other_share'], '.0%')} | "
             f"{_fmt(m['identical_share'] if config.temperature == 0 else None, '.0%')} |"
         )
     lines += [
         "",
+        "tokens/s is end to end (new tokens / generation time, prefill included); decode tok/s leaves out the "
+        "time to the first token and that token. "
         "tau = new tokens / target forward passes (the prefill and the bonus token count). Time shares: drafting, "
         "target verification forwards + acceptance, and the rest (prefill, bookkeeping). Peer rows (hf-*) run "
-        "transformers' generate() on the same loaded weights and report no tau. "
+        "transformers' generate() on the same loaded weights and report no tau; llama.cpp rows run "
+        "llama-cpp-python on the model's GGUF file (its quantized weights, so greedy outputs can differ) with the "
+        "same prompt token ids and thread count. "
         f"Identity compares each generation with `{BASELINE}` on the same question and turn (greedy only); in "
         "bfloat16 a near-tie can flip (see `specdecode audit`).",
         "",

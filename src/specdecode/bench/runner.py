@@ -8,6 +8,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 from tqdm import tqdm
@@ -62,7 +63,15 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "llama_cpp": _version("llama-cpp-python"),
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> list[dict]:

