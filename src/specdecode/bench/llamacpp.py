@@ -95,6 +95,7 @@ class LlamaCppMethod(Method):
             self.llm = self.llama_class(
                 model_path=str(self.path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
                 n_threads_batch=torch.get_num_threads(), draft_model=self.draft, verbose=False,
+                logits_all=self.draft is not None,  # Llama sizes its logits store by this flag, not by draft_model
             )
         return self.llm
 
