@@ -47,11 +47,10 @@ class DraftModelDrafter(Drafter):
     needs_draft_model = True
     variants = (
         {}, {"depth": 3, "topk": 1}, {"depth": 3, "topk": 3, "budget": 7}, {"depth": 1, "topk": 1},
-        {"structure": "opt", "budget": 6, "depth": 5, "min_gain": 0.05},
-        {"structure": "sequoia", "budget": 6, "depth": 4},
-        {"topk": 1, "depth": 6, "length": "heuristic"},
-        {"depth": 6, "length": "confidence", "threshold": 0.3},
-        {"topk": 1, "depth": 6, "length": "thompson"},
+        # Structures and length policies paired up, to keep the matrix short.
+        {"structure": "opt", "budget": 6, "depth": 5, "min_gain": 0.05, "length": "heuristic"},
+        {"structure": "sequoia", "budget": 6, "depth": 4, "length": "thompson"},
+        {"topk": 1, "depth": 6, "length": "confidence", "threshold": 0.3},
     )
     tune_grid = (
         {"depth": 3, "topk": 1}, {"depth": 5, "topk": 1}, {"depth": 4, "topk": 2, "budget": 8},
@@ -151,7 +150,8 @@ class _TreeGrowth:
         weights: list[float] = []  # node -> path probability
         frontier, frontier_probs, expected = [-1], self.ranking_probs(root_logits)[None], 0.0
         for level in range(1, depth + 1):
-            child_probs, child_tokens = torch.topk(frontier_probs, min(width, frontier_probs.shape[-1]), dim=-1)  # [F, w]
+            width = min(width, frontier_probs.shape[-1])
+            child_probs, child_tokens = torch.topk(frontier_probs, width, dim=-1)  # [F, width]
             new_nodes = []
             for row, parent in enumerate(frontier):
                 parent_weight = 1.0 if parent < 0 else weights[parent]
