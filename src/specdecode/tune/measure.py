@@ -37,24 +37,29 @@ def candidates_for(name: str) -> list[dict]:
     return grid
 
 
-def time_verify(target: CausalLM, context: list[int], tokens: int, repeats: int) -> float:
-    """Fastest of `repeats` target forwards over `tokens` new tokens after `context` (the minimum is the
-    measurement least disturbed by other work on the machine)."""
-    cache = target.new_cache(len(context) + tokens)
+def verify_curve(target: CausalLM, context: list[int], max_tokens: int, repeats: int, bar) -> dict[int, float]:
+    """Seconds of one target forward over q = 1..max_tokens new tokens after `context`. Each size keeps its
+    fastest of `repeats` forwards, the sizes taken in turn so that a burst of other work on the machine spreads
+    over them; then a size never counts as slower than any larger one (more tokens cannot cost less)."""
+    cache = target.new_cache(len(context) + max_tokens)
     prefill(target, cache, context)
-    ids = torch.tensor((context * (tokens // len(context) + 1))[:tokens])  # [q]
-    positions = torch.arange(len(context), len(context) + tokens)
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-    best = float("inf")
+    ids = torch.tensor((context * (max_tokens // len(context) + 1))[:max_tokens])  # [max_tokens]
+    positions = torch.arange(len(context), len(context) + max_tokens)
+    causal = torch.ones(max_tokens, max_tokens, dtype=torch.bool).tril()
+    fastest = {q: float("inf") for q in range(1, max_tokens + 1)}
     for _ in range(repeats):
-        start = time.perf_counter()
-        target.forward(cache, ids, positions, causal)
-        best = min(best, time.perf_counter() - start)
-        cache.discard()
-    return best
+        for q in fastest:
+            start = time.perf_counter()
+            target.forward(cache, ids[:q], positions[:q], causal[:q, :q])
+            fastest[q] = min(fastest[q], time.perf_counter() - start)
+            cache.discard()
+            bar.update()
+    for q in range(max_tokens - 1, 0, -1):
+        fastest[q] = min(fastest[q], fastest[q + 1])
+    return fastest
 
 
-def measure_drafter(target, name: str, options: dict, draft_model, prompts, max_new_tokens: int) -> Measured:
+def measure_drafter(target, name: str, options: dict, draft_model, prompts, max_new_tokens: int, bar) -> Measured:
     extra = {"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}
     drafter = build_drafter(name, target, profile="none", **extra, **options)
     steps = accepted = drafted = 0
@@ -65,6 +70,7 @@ def measure_drafter(target, name: str, options: dict, draft_model, prompts, max_
         accepted += stats.accepted_tokens
         drafted += stats.drafted_tokens
         draft_seconds += stats.draft_seconds
+        bar.update()
     steps = max(steps, 1)
     return Measured(options, (accepted + steps) / steps, drafted / steps, draft_seconds / steps)
 
@@ -80,17 +86,13 @@ def run_tune(
 ) -> dict:
     """Measure everything and return the profile: the verify curve, every candidate, each drafter's choice."""
     jobs = [(name, options) for name in drafters for options in candidates_for(name)]
-    with tqdm(total=max_tokens + len(jobs), desc="tune", unit="job") as bar:
-        curve = {}
-        for tokens in range(1, max_tokens + 1):
-            bar.set_postfix_str(f"verify {tokens} tokens")
-            curve[tokens] = time_verify(target, prompts[0], tokens, repeats)
-            bar.update()
-        measured: dict[str, list[Measured]] = {name: [] for name in drafters}
+    with tqdm(total=max_tokens * repeats, desc="verify cost", unit="forward") as bar:
+        curve = verify_curve(target, prompts[0], max_tokens, repeats, bar)
+    measured: dict[str, list[Measured]] = {name: [] for name in drafters}
+    with tqdm(total=len(jobs) * len(prompts), desc="acceptance", unit="generation") as bar:
         for name, options in jobs:
             bar.set_postfix_str(f"{name} {options or 'defaults'}")
-            measured[name].append(measure_drafter(target, name, options, draft_model, prompts, max_new_tokens))
-            bar.update()
+            measured[name].append(measure_drafter(target, name, options, draft_model, prompts, max_new_tokens, bar))
     chosen = {}
     for name, results in measured.items():
         best = choose(results, curve)
