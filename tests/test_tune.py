@@ -125,6 +125,17 @@ def test_tune_writes_a_profile_that_build_drafter_applies(tiny_pair, tmp_path, m
         build_drafter("pld", target, profile="sometimes")
 
 
+@pytest.mark.parametrize(
+    "options,needle",
+    [({"structure": "star"}, "structure"), ({"accept": "0.7,x"}, "accept"), ({"length": "often"}, "length"),
+     ({"structure": "opt", "budget": 0}, "budget"), ({"length": "confidence", "threshold": 2}, "threshold")],
+)
+def test_draft_options_are_checked(tiny_pair, options, needle):
+    target, draft_model = tiny_pair
+    with pytest.raises(SpecDecodeError, match=needle):
+        build_drafter("draft", target, draft_model=draft_model, **options)
+
+
 def test_tune_cli_rejects_bad_input_before_loading(capsys):
     assert main(["tune", "--model", "smollm2-135m-instruct", "--drafters", "nosuch"]) == 2
     assert "unknown drafter" in capsys.readouterr().err

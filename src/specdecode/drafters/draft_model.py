@@ -68,9 +68,7 @@ class DraftModelDrafter(Drafter):
             raise SpecDecodeError(f"unknown draft structure '{structure}'.", f"Use one of: {', '.join(STRUCTURES)}.")
         if depth < 1 or topk < 1 or budget < 0 or (structure != "eagle2" and budget < 1):
             raise TypeError("need depth >= 1, topk >= 1, budget >= 0 (>= 1 for opt and sequoia)")
-        accept_by_rank = tuple(float(a) for a in str(accept).split(","))
-        if not all(0 <= a <= 1 for a in accept_by_rank):
-            raise TypeError("accept must be comma-separated probabilities")
+        accept_by_rank = _probabilities(accept)
         check_same_vocabulary(target, draft_model)
         self.model = draft_model
         self.structure, self.depth, self.topk, self.min_gain = structure, depth, topk, min_gain
@@ -238,6 +236,16 @@ class _TreeGrowth:
         parents = [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in nodes]
         probs = None if draft_probs is None else draft_probs[torch.tensor(nodes)]
         return Draft(torch.tensor([self.tokens[n] for n in nodes]), torch.tensor(parents), probs)
+
+
+def _probabilities(text) -> tuple[float, ...]:
+    try:
+        values = tuple(float(a) for a in str(text).split(","))
+    except ValueError:
+        values = (-1.0,)
+    if not all(0 <= a <= 1 for a in values):
+        raise TypeError(f"accept={text} is not comma-separated probabilities (e.g. accept=0.7,0.1,0.04)")
+    return values
 
 
 def _best(weights: list[float], n: int, among: list[int] | None = None) -> list[int]:
