@@ -1,4 +1,4 @@
-"""The command line: specdecode generate | bench | audit | serve | chat | loadtest | pull | models | drafters."""
+"""The command line: specdecode generate | bench | audit | tune | serve | chat | loadtest | pull | models | drafters."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--samples", type=int, default=0, help="seeds for the sampling audit (0 = greedy audit only)")
     audit.add_argument("--tie-margin", type=float, help="largest logit margin counted as a near-tie (default by dtype)")
     audit.set_defaults(run=cmd_audit)
+
+    tune = sub.add_parser("tune", help="measure this machine and pick each drafter's options (saved as defaults)")
+    tune.add_argument("--model", required=True)
+    tune.add_argument("--draft-model", help="draft model for model-based drafters (skipped without one)")
+    tune.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    tune.add_argument("--drafters", help="comma-separated drafters to tune (default: every registered one)")
+    tune.add_argument("--prompts", type=int, default=0, help="tuning prompts to use (0 = all shipped ones)")
+    tune.add_argument("--max-new-tokens", type=int, default=48, help="tokens per tuning prompt and option set")
+    tune.add_argument("--max-tokens", type=int, default=64, help="measure verify cost for 1..N scored tokens")
+    tune.add_argument("--repeats", type=int, default=3, help="timed forwards per size (the fastest counts)")
+    tune.set_defaults(run=cmd_tune)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(serve)
@@ -284,6 +295,35 @@ def cmd_audit(args) -> int:
         failed |= not result.passed
     print("audit: " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
+
+
+def cmd_tune(args) -> int:
+    from .drafters import DRAFTERS
+    from .drafters.base import check_drafter_name
+    from .models.loading import load_model
+    from .tune.measure import run_tune, tune_prompts
+    from .tune.profile import save_profile
+
+    if min(args.max_new_tokens, args.max_tokens, args.repeats) <= 0 or args.prompts < 0:
+        raise SpecDecodeError("max-new-tokens, max-tokens and repeats must be > 0, prompts >= 0.", "Fix the numbers.")
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else sorted(DRAFTERS)
+    for name in names:
+        check_drafter_name(name)
+    names = [n for n in names if n != "none" and (args.draft_model or not DRAFTERS[n].needs_draft_model)]
+    if not names:
+        raise SpecDecodeError(
+            "no drafter to tune.", "Name drafters with --drafters (and pass --draft-model for model drafters)."
+        )
+    target = load_model(args.model, args.dtype)
+    draft_model = load_model(args.draft_model, args.dtype) if args.draft_model else None
+    profile = run_tune(target, names, tune_prompts(target.tokenizer, args.prompts), draft_model,
+                       args.max_new_tokens, args.max_tokens, args.repeats)
+    for name, entry in profile["drafters"].items():
+        options = " ".join(f"{k}={v}" for k, v in entry["options"].items()) or "(defaults)"
+        print(f"{name:12} {options:50} estimated {entry['estimated_speedup']:.2f}x plain decoding")
+    print(f"profile saved to {save_profile(target, profile)} (used when no drafter options are given; "
+          "-o profile=none skips it)")
+    return 0
 
 
 def cmd_serve(args) -> int:

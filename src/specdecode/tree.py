@@ -8,6 +8,7 @@ is the tree with parents [-1, 0, 1, ...]. All functions here are pure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -110,3 +111,48 @@ def from_sequences(sequences: list[list[int]]) -> Draft:
                 parents.append(parent)
             parent = index[key]
     return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def sequoia_tree(budget: int, depth: int, accept: tuple[float, ...]) -> tuple[float, list[int]]:
+    """Sequoia's dynamic program (Chen et al., 2024, arXiv 2402.12374): the tree shape of at most `budget` nodes
+    below the root, at most `depth` deep, that maximizes the expected tokens per step, 1 + sum over nodes of the
+    product of accept[rank] along the node's path, where accept[r] is the probability that a node's child of
+    rank r (0 = the draft's first choice) is the accepted one. Returns (that expectation, parents in
+    breadth-first order, siblings in rank order)."""
+    best, children_sizes = _sequoia_table(budget, depth, tuple(accept))
+    size = max(range(1, budget + 2), key=lambda m: (best[depth][m], -m))
+    parents: list[int] = []
+    queue = [(-1, depth, size)]  # (node, depth left below it, nodes in its subtree)
+    for node, left, subtree in queue:  # the queue grows while we walk it: breadth-first
+        for child_size in children_sizes[left][subtree]:
+            parents.append(node)
+            queue.append((len(parents) - 1, left - 1, child_size))
+    return best[depth][size], parents
+
+
+@lru_cache(maxsize=16)
+def _sequoia_table(budget: int, depth: int, accept: tuple[float, ...]):
+    """best[l][m]: the value of the best subtree of exactly m nodes (its root included) and l levels below its
+    root; children_sizes[l][m]: the subtree sizes of its children, by rank. A knapsack over the ranks."""
+    none = float("-inf")
+    best = [[none] * (budget + 2) for _ in range(depth + 1)]
+    children_sizes: list[list[tuple[int, ...]]] = [[()] * (budget + 2) for _ in range(depth + 1)]
+    for left in range(depth + 1):
+        best[left][1] = 1.0
+        if left == 0:
+            continue
+        forest = [0.0] + [none] * budget  # forest[n]: children ranks 0..r using n nodes in all
+        forest_sizes: list[tuple[int, ...]] = [()] * (budget + 1)
+        for rank_accept in accept:
+            grown, grown_sizes = [none] * (budget + 1), [()] * (budget + 1)
+            for n in range(1, budget + 1):
+                for y in range(1, n + 1):
+                    value = forest[n - y] + rank_accept * best[left - 1][y]
+                    if value > grown[n]:
+                        grown[n], grown_sizes[n] = value, forest_sizes[n - y] + (y,)
+            forest, forest_sizes = grown, grown_sizes
+            for n in range(1, budget + 1):
+                if 1.0 + forest[n] > best[left][n + 1]:
+                    best[left][n + 1] = 1.0 + forest[n]
+                    children_sizes[left][n + 1] = forest_sizes[n]
+    return best, children_sizes

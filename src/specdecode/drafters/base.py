@@ -35,6 +35,8 @@ class Drafter(ABC):
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
     variants: ClassVar[tuple[dict, ...]] = ({},)
+    # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.
+    tune_grid: ClassVar[tuple[dict, ...]] = ()
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request: reset per-request state. capacity = longest context this request can reach."""
@@ -54,8 +56,15 @@ def check_drafter_name(name: str) -> None:
 
 
 def build_drafter(name: str, target, **options) -> Drafter:
+    """A drafter for `target`. Without options, the options `specdecode tune` saved for it (if any) apply;
+    profile=none skips them."""
+    from ..tune.profile import tuned_options
+
     check_drafter_name(name)
     cls = DRAFTERS[name]
+    profile = options.pop("profile", "auto")
+    if not any(key != "draft_model" for key in options):
+        options.update(tuned_options(name, target, options.get("draft_model"), profile))
     if cls.needs_draft_model and options.get("draft_model") is None:
         raise SpecDecodeError(
             f"drafter '{name}' needs a draft model.", "Pass --draft-model NAME (a smaller model with the same tokenizer)."

@@ -20,6 +20,7 @@ from .ngram_table import NgramTable
 @register("hierarchy")
 class HierarchyDrafter(Drafter):
     variants = ({}, {"guess": 7, "length": 2})
+    tune_grid = ({"guess": 1}, {"guess": 1, "length": 6}, {"guess": 4}, {"guess": 7})
 
     def __init__(self, target, guess: int = 2, length: int = 4, corpus: str | None = None):
         if guess < 1 or length < 1:

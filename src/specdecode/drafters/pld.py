@@ -14,6 +14,8 @@ from .base import Drafter, register
 @register("pld")
 class PromptLookupDrafter(Drafter):
     variants = ({}, {"branches": 3, "k": 4}, {"max_ngram": 1, "k": 2})
+    tune_grid = ({"k": 2}, {"k": 4}, {"k": 4, "branches": 2}, {"k": 8, "branches": 2}, {"k": 16})
+
     def __init__(self, target, max_ngram: int = 3, min_ngram: int = 1, k: int = 8, branches: int = 1):
         if not 1 <= min_ngram <= max_ngram or k < 1 or branches < 1:
             raise TypeError("need 1 <= min_ngram <= max_ngram, k >= 1 and branches >= 1")

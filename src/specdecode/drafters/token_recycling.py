@@ -29,6 +29,8 @@ def rank_template(branching: tuple[int, ...], rank_budget: int) -> list[tuple[in
 @register("recycling")
 class TokenRecyclingDrafter(Drafter):
     variants = ({}, {"branching": "2,2,1", "rank_budget": 1, "k": 2})
+    tune_grid = ({"branching": "2,1,1", "rank_budget": 1}, {"branching": "2,2,1,1", "rank_budget": 1},
+                 {"branching": "4,2,2,1,1,1", "rank_budget": 2}, {"branching": "1,1,1,1"})
 
     def __init__(self, target, k: int = 8, branching: str = "4,2,2,1,1,1", rank_budget: int = 1):
         widths = tuple(int(b) for b in str(branching).split(","))

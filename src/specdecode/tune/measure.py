@@ -1,0 +1,109 @@
+"""The measurements behind a profile: the target's verify cost per number of scored tokens, and each drafter's
+acceptance and drafting cost on the shipped tuning prompts (data/tune_prompts.jsonl, written for this; never
+Spec-Bench), all through the CausalLM interface, so any backend can be tuned."""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+
+import torch
+from tqdm import tqdm
+
+from ..drafters import DRAFTERS, build_drafter
+from ..engine import generate
+from ..models.base import CausalLM, prefill
+from ..sampling import SamplingParams
+from ..text import chat_prompt_ids
+from .cost import Measured, choose, speedup
+
+
+def tune_prompts(tokenizer, limit: int = 0) -> list[list[int]]:
+    """Token ids of the tuning prompts (under the chat template when the tokenizer has one)."""
+    lines = resources.files("specdecode.data").joinpath("tune_prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()][: limit or None]
+    if getattr(tokenizer, "chat_template", None):
+        return [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def candidates_for(name: str) -> list[dict]:
+    """The defaults first, then the drafter's tune grid."""
+    grid = [{}]
+    for options in DRAFTERS[name].tune_grid:
+        if options not in grid:
+            grid.append(dict(options))
+    return grid
+
+
+def verify_curve(target: CausalLM, context: list[int], max_tokens: int, repeats: int, bar) -> dict[int, float]:
+    """Seconds of one target forward over q = 1..max_tokens new tokens after `context`. Each size keeps its
+    fastest of `repeats` forwards, the sizes taken in turn so that a burst of other work on the machine spreads
+    over them; then a size never counts as slower than any larger one (more tokens cannot cost less)."""
+    cache = target.new_cache(len(context) + max_tokens)
+    prefill(target, cache, context)
+    ids = torch.tensor((context * (max_tokens // len(context) + 1))[:max_tokens])  # [max_tokens]
+    positions = torch.arange(len(context), len(context) + max_tokens)
+    causal = torch.ones(max_tokens, max_tokens, dtype=torch.bool).tril()
+    fastest = {q: float("inf") for q in range(1, max_tokens + 1)}
+    for _ in range(repeats):
+        for q in fastest:
+            start = time.perf_counter()
+            target.forward(cache, ids[:q], positions[:q], causal[:q, :q])
+            fastest[q] = min(fastest[q], time.perf_counter() - start)
+            cache.discard()
+            bar.update()
+    for q in range(max_tokens - 1, 0, -1):
+        fastest[q] = min(fastest[q], fastest[q + 1])
+    return fastest
+
+
+def measure_drafter(target, name: str, options: dict, draft_model, prompts, max_new_tokens: int, bar) -> Measured:
+    extra = {"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}
+    drafter = build_drafter(name, target, profile="none", **extra, **options)
+    steps = accepted = drafted = 0
+    draft_seconds = 0.0
+    for prompt in prompts:
+        _, stats = generate(target, drafter, prompt, max_new_tokens, SamplingParams())
+        steps += len(stats.accepted_per_step)
+        accepted += stats.accepted_tokens
+        drafted += stats.drafted_tokens
+        draft_seconds += stats.draft_seconds
+        bar.update()
+    steps = max(steps, 1)
+    return Measured(options, (accepted + steps) / steps, drafted / steps, draft_seconds / steps)
+
+
+def run_tune(
+    target: CausalLM,
+    drafters: list[str],
+    prompts: list[list[int]],
+    draft_model: CausalLM | None = None,
+    max_new_tokens: int = 48,
+    max_tokens: int = 64,
+    repeats: int = 3,
+) -> dict:
+    """Measure everything and return the profile: the verify curve, every candidate, each drafter's choice."""
+    jobs = [(name, options) for name in drafters for options in candidates_for(name)]
+    with tqdm(total=max_tokens * repeats, desc="verify cost", unit="forward") as bar:
+        curve = verify_curve(target, prompts[0], max_tokens, repeats, bar)
+    measured: dict[str, list[Measured]] = {name: [] for name in drafters}
+    with tqdm(total=len(jobs) * len(prompts), desc="acceptance", unit="generation") as bar:
+        for name, options in jobs:
+            bar.set_postfix_str(f"{name} {options or 'defaults'}")
+            measured[name].append(measure_drafter(target, name, options, draft_model, prompts, max_new_tokens, bar))
+    chosen = {}
+    for name, results in measured.items():
+        best = choose(results, curve)
+        chosen[name] = {
+            "options": best.options,
+            "draft_model": draft_model.name if DRAFTERS[name].needs_draft_model else None,
+            "estimated_speedup": speedup(best, curve),
+            "candidates": [dict(r.as_dict(), estimated_speedup=speedup(r, curve)) for r in results],
+        }
+    return {
+        "target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "model_class": type(target).__name__,
+        "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "verify_seconds": curve, "drafters": chosen,
+    }

@@ -1,0 +1,54 @@
+"""Tuned profiles: the options `specdecode tune` picked per drafter, saved per target, dtype and model class.
+
+A profile is one JSON file under <cache>/profiles/. build_drafter applies a drafter's tuned options when the
+caller gave none; any explicit option wins (the tuned set is then not used at all, so options never mix), and
+the option profile=none turns the lookup off (to compare tuned against hand-picked defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import SpecDecodeError
+from ..models.packaged import cache_root
+
+PROFILE_CHOICES = ("auto", "none")
+
+
+def profile_path(target) -> Path:
+    """<cache>/profiles/<target name>-<dtype>-<model class>.json (the class tells backends apart)."""
+    dtype = str(target.dtype).removeprefix("torch.")
+    key = f"{target.name}-{dtype}-{type(target).__name__}"
+    return cache_root() / "profiles" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")
+
+
+def load_profile(target) -> dict | None:
+    path = profile_path(target)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecDecodeError(
+            f"cannot read the tuned profile {path}: {exc}.", "Delete it or run `specdecode tune` again."
+        ) from None
+
+
+def save_profile(target, profile: dict) -> Path:
+    path = profile_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=1))
+    return path
+
+
+def tuned_options(name: str, target, draft_model, profile: str) -> dict:
+    """The options saved for drafter `name` on this target (and draft model), or {} when there are none."""
+    if profile not in PROFILE_CHOICES:
+        raise SpecDecodeError(f"unknown profile '{profile}'.", "Use -o profile=auto (the default) or -o profile=none.")
+    saved = load_profile(target) if profile == "auto" else None
+    entry = (saved or {}).get("drafters", {}).get(name)
+    if not entry or entry.get("draft_model") != getattr(draft_model, "name", None):
+        return {}
+    return dict(entry["options"])

@@ -1,0 +1,144 @@
+"""specdecode tune: the cost model's choice, the Sequoia DP, the length policies, and a tuned profile that
+build_drafter picks up (explicit options and profile=none win)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.cli import main
+from specdecode.drafters import build_drafter
+from specdecode.drafters.draft_length import draft_length
+from specdecode.errors import SpecDecodeError
+from specdecode.tree import sequoia_tree
+from specdecode.tune.cost import Measured, choose, speedup, verify_seconds
+from specdecode.tune.measure import run_tune
+from specdecode.tune.profile import profile_path, save_profile
+
+from conftest import perturbed_copy, tiny_model
+
+CPU_LIKE = {1: 0.10, 2: 0.11, 4: 0.13, 8: 0.20, 16: 0.40, 32: 0.80}  # verify cost grows with the tree
+GPU_LIKE = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.10, 16: 0.11, 32: 0.12}  # nearly flat
+CHAIN = Measured({"depth": 3, "topk": 1}, tokens_per_step=2.2, nodes_per_step=3, draft_seconds_per_step=0.03)
+TREE = Measured({"structure": "opt", "budget": 24}, tokens_per_step=3.4, nodes_per_step=24, draft_seconds_per_step=0.05)
+
+
+def test_verify_seconds_interpolates_and_extrapolates():
+    assert verify_seconds(CPU_LIKE, 1) == 0.10
+    assert verify_seconds(CPU_LIKE, 6) == pytest.approx(0.165)
+    assert verify_seconds(CPU_LIKE, 48) == pytest.approx(1.2)
+
+
+def test_cost_model_prefers_small_drafts_when_verification_is_dear():
+    # A step scores 1 + nodes tokens: chain 2.2 / (0.03 + 0.13) = 13.8 tokens/s against 3.4 / (0.05 + 0.625) = 5.0
+    assert choose([CHAIN, TREE], CPU_LIKE) is CHAIN
+    assert choose([CHAIN, TREE], GPU_LIKE) is TREE  # 2.2 / 0.13 = 16.9 against 3.4 / 0.166 = 20.5
+    assert speedup(CHAIN, CPU_LIKE) == pytest.approx(2.2 / 0.16 * 0.10)
+
+
+def test_cost_model_keeps_the_defaults_on_a_tie():
+    twin = Measured({"depth": 9}, CHAIN.tokens_per_step, CHAIN.nodes_per_step, CHAIN.draft_seconds_per_step)
+    assert choose([CHAIN, twin], CPU_LIKE) is CHAIN
+
+
+def test_sequoia_dp_trades_depth_for_width_by_acceptance():
+    assert sequoia_tree(2, 2, (0.6, 0.3)) == (pytest.approx(1.96), [-1, 0])  # chain: 1 + .6 + .36
+    assert sequoia_tree(2, 2, (0.5, 0.45)) == (pytest.approx(1.95), [-1, -1])  # siblings: 1 + .5 + .45
+    value, parents = sequoia_tree(12, 4, (0.7, 0.1, 0.04))
+    assert len(parents) == 12 and all(p < i for i, p in enumerate(parents))
+
+
+def test_heuristic_length_follows_transformers_schedule():
+    length = draft_length("heuristic", depth=6, threshold=0.4)
+    trace = []
+    for accepted, drafted in [(6, 6), (2, 6), (5, 5), (5, 5), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]:
+        length.update(accepted, drafted)
+        trace.append(length.depth())
+    assert trace == [6, 5, 6, 6, 5, 4, 3, 2, 1, 1]
+
+
+def test_confidence_and_thompson_lengths():
+    confidence = draft_length("confidence", depth=5, threshold=0.4)
+    assert confidence.grow(0.5) and not confidence.grow(0.3)
+    thompson = draft_length("thompson", depth=5, threshold=0.4)
+    for _ in range(50):
+        thompson.update(4, 5)  # 4 of 5 accepted: theta near 0.8
+    grows = sum(thompson.grow(0.0) for _ in range(1000))
+    assert (thompson.alpha, thompson.beta) == (201, 51) and 700 < grows < 900
+    with pytest.raises(SpecDecodeError, match="length"):
+        draft_length("sometimes", 5, 0.4)
+
+
+def test_opt_tree_respects_the_budget_and_stops_on_small_gains():
+    target = tiny_model("qwen2", seed=1)
+    draft_model = perturbed_copy(target, scale=0.1, seed=2)
+    from specdecode.sampling import SamplingParams
+
+    prompt = [3, 9, 4, 17, 3, 9]
+    for min_gain, most_depth in [(0.0, 6), (2.0, 1)]:  # a gain of 2 tokens per level is never reached
+        drafter = build_drafter("draft", target, draft_model=draft_model, structure="opt", budget=7, depth=6,
+                                min_gain=min_gain)
+        drafter.start(prompt, 64)
+        draft = drafter.propose(prompt, SamplingParams(), None)
+        from specdecode.tree import depths
+
+        assert 1 <= len(draft) <= 7 and int(depths(draft.parents).max()) <= most_depth
+        assert draft.draft_probs is None
+
+
+@pytest.fixture
+def tiny_pair():
+    target = tiny_model("llama", seed=1)
+    return target, perturbed_copy(target, scale=0.1, seed=2)
+
+
+def test_tune_writes_a_profile_that_build_drafter_applies(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    target, draft_model = tiny_pair
+    prompts = [[3, 9, 4, 17, 3, 9, 4, 22, 3, 9], [11, 5, 60, 2, 33, 48, 7, 1]]
+    profile = run_tune(target, ["pld", "draft"], prompts, draft_model, max_new_tokens=10, max_tokens=4, repeats=1)
+    assert sorted(profile["verify_seconds"]) == [1, 2, 3, 4]
+    assert len(profile["drafters"]["draft"]["candidates"]) > 1
+    save_profile(target, profile)
+    chosen = profile["drafters"]["pld"]["options"]
+    tuned, by_hand = build_drafter("pld", target), build_drafter("pld", target, profile="none", **chosen)
+    assert (tuned.k, tuned.branches, tuned.max_ngram) == (by_hand.k, by_hand.branches, by_hand.max_ngram)
+    # A profile with known choices: build_drafter must apply them when no option is given.
+    profile["drafters"]["pld"]["options"] = {"k": 3, "branches": 2}
+    profile["drafters"]["draft"]["options"] = {"structure": "opt", "budget": 5, "depth": 3}
+    path = save_profile(target, profile)
+    assert path == profile_path(target) and path.parent == tmp_path / "profiles"
+    assert "float32" in path.name and "HFModel" in path.name
+
+    pld = build_drafter("pld", target)
+    assert (pld.k, pld.branches) == (3, 2)
+    draft = build_drafter("draft", target, draft_model=draft_model)
+    assert (draft.structure, draft.budget, draft.depth) == ("opt", 5, 3)
+    # Explicit options win, whole: nothing of the tuned set mixes in.
+    pld = build_drafter("pld", target, k=5)
+    assert (pld.k, pld.branches) == (5, 1)
+    # The opt-out, and a draft model the profile was not tuned with.
+    assert build_drafter("pld", target, profile="none").k == 8
+    other = perturbed_copy(target, scale=0.1, seed=4)
+    other.name = "another-draft"
+    assert build_drafter("draft", target, draft_model=other).structure == "eagle2"
+    with pytest.raises(SpecDecodeError, match="profile"):
+        build_drafter("pld", target, profile="sometimes")
+
+
+@pytest.mark.parametrize(
+    "options,needle",
+    [({"structure": "star"}, "structure"), ({"accept": "0.7,x"}, "accept"), ({"length": "often"}, "length"),
+     ({"structure": "opt", "budget": 0}, "budget"), ({"length": "confidence", "threshold": 2}, "threshold")],
+)
+def test_draft_options_are_checked(tiny_pair, options, needle):
+    target, draft_model = tiny_pair
+    with pytest.raises(SpecDecodeError, match=needle):
+        build_drafter("draft", target, draft_model=draft_model, **options)
+
+
+def test_tune_cli_rejects_bad_input_before_loading(capsys):
+    assert main(["tune", "--model", "smollm2-135m-instruct", "--drafters", "nosuch"]) == 2
+    assert "unknown drafter" in capsys.readouterr().err
+    assert main(["tune", "--model", "smollm2-135m-instruct", "--repeats", "0"]) == 2
+    assert main(["tune", "--model", "smollm2-135m-instruct", "--drafters", "draft"]) == 2
+    assert "no drafter to tune" in capsys.readouterr().err
