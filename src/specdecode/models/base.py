@@ -19,6 +19,7 @@ class CausalLM(ABC):
     max_context: int
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
+    quant: str = "none"  # weight format: none (dtype), int8, int4
 
     @abstractmethod
     def new_cache(self, capacity: int) -> KVCache: ...

@@ -1,4 +1,4 @@
-"""Tuned profiles: the options `specdecode tune` picked per drafter, saved per target, dtype and model class.
+"""Tuned profiles: the options `specdecode tune` picked per drafter, saved per target, dtype, weight format and model class.
 
 A profile is one JSON file under <cache>/profiles/. build_drafter applies a drafter's tuned options when the
 caller gave none; any explicit option wins (the tuned set is then not used at all, so options never mix), and
@@ -18,9 +18,9 @@ PROFILE_CHOICES = ("auto", "none")
 
 
 def profile_path(target) -> Path:
-    """<cache>/profiles/<target name>-<dtype>-<model class>.json (the class tells backends apart)."""
+    """<cache>/profiles/<target name>-<dtype>-<weights>-<model class>.json (the class tells backends apart)."""
     dtype = str(target.dtype).removeprefix("torch.")
-    key = f"{target.name}-{dtype}-{type(target).__name__}"
+    key = f"{target.name}-{dtype}-{target.quant}-{type(target).__name__}"
     return cache_root() / "profiles" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")
 
 
