@@ -44,8 +44,10 @@ class Draft:
     def depth_limited(self, max_depth: int) -> "Draft":
         """The sub-tree of nodes at depth <= max_depth (depth of a root child = 1)."""
         keep = depths(self.parents) <= max_depth  # [N] bool
-        if bool(keep.all()):
-            return self
+        return self if bool(keep.all()) else self.subset(keep)
+
+    def subset(self, keep: torch.Tensor) -> "Draft":
+        """The draft over the nodes where keep [N] bool is True, in their order; every kept node's parent is kept."""
         kept = keep.nonzero().flatten()  # [M]
         new_index = torch.full((len(self) + 1,), -1, dtype=torch.long)  # slot 0 = root
         new_index[kept + 1] = torch.arange(kept.shape[0])
@@ -95,10 +97,12 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def from_sequences(sequences: list[list[int]]) -> Draft:
-    """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
+def trie(sequences: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Merge token sequences that share prefixes. Nodes in creation order (parents first): each node's token, its
+    parent (-1 = root) and how many sequences pass through it."""
     tokens: list[int] = []
     parents: list[int] = []
+    counts: list[int] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for seq in sequences:
         parent = -1
@@ -108,5 +112,13 @@ def from_sequences(sequences: list[list[int]]) -> Draft:
                 index[key] = len(tokens)
                 tokens.append(tok)
                 parents.append(parent)
+                counts.append(0)
             parent = index[key]
+            counts[parent] += 1
+    return tokens, parents, counts
+
+
+def from_sequences(sequences: list[list[int]]) -> Draft:
+    """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
+    tokens, parents, _ = trie(sequences)
     return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

@@ -1,0 +1,94 @@
+"""SuffixDecoding (Oliaro et al., 2024) with REST's retrieval (He et al., 2023): draft what followed the longest
+suffix of the context that occurred before.
+
+Sources: the current request's tokens (prompt and output so far, copied in as the context grows) and an optional
+corpus (option `corpus`, a text or .jsonl file tokenized once with the target's tokenizer). The longest suffix of
+at most `max_match` tokens that occurs in either (REST tries lengths 16..2; here one numpy scan narrows the last
+token's occurrences one token at a time) gives up to `max_occurrences` occurrences, most recent first. Their
+continuations form a trie whose nodes are weighted by frequency: a child's probability is count(child) /
+count(parent), so a path's probability is the share of occurrences that continue along it (SuffixDecoding's
+speculation tree). The most probable nodes are kept, down to `min_prob`, up to an adaptive budget that grows with
+the match: ceil(alpha * match length), capped at max_nodes (SuffixDecoding's max_spec_factor).
+Deterministic drafts (draft_probs None): sampling uses the point-mass rule and stays lossless.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..tree import Draft, trie
+from .base import Drafter, register
+from .ngram_table import read_corpus, suffix_matches
+
+SEPARATOR = -1  # between corpus documents: matches no token, and ends a continuation
+
+
+@register("suffix")
+class SuffixDrafter(Drafter):
+    variants = ({}, {"alpha": 1.0, "max_nodes": 6, "min_prob": 0.3}, {"max_match": 2, "max_occurrences": 1})
+
+    def __init__(
+        self,
+        target,
+        max_match: int = 16,
+        max_nodes: int = 16,
+        alpha: float = 2.0,
+        min_prob: float = 0.1,
+        max_occurrences: int = 64,
+        corpus: str | None = None,
+    ):
+        if max_match < 1 or max_nodes < 1 or alpha <= 0 or not 0 <= min_prob <= 1 or max_occurrences < 1:
+            raise TypeError("need max_match >= 1, max_nodes >= 1, alpha > 0, 0 <= min_prob <= 1, max_occurrences >= 1")
+        self.max_match, self.max_nodes, self.alpha = max_match, max_nodes, alpha
+        self.min_prob, self.max_occurrences = min_prob, max_occurrences
+        documents = read_corpus(corpus, target.tokenizer) if corpus else []
+        self.corpus = np.array([t for doc in documents for t in doc + [SEPARATOR]], dtype=np.int64)  # [C]
+        self.tokens = np.zeros(0, dtype=np.int64)  # this request's tokens; the first `length` are filled
+        self.length = 0
+
+    def start(self, prompt_ids, capacity):
+        self.tokens = np.zeros(capacity, dtype=np.int64)
+        self.length = 0
+
+    def propose(self, context, params, generator) -> Draft:
+        own = self._extend(context)
+        suffix = own[-self.max_match :]
+        sources = [(own, suffix_matches(own, suffix, self.max_match))]
+        if len(self.corpus):
+            sources.append((self.corpus, suffix_matches(self.corpus, suffix, self.max_match)))
+        match_len = max(len(levels) for _, levels in sources)
+        if not match_len:
+            return Draft.empty()
+        budget = min(self.max_nodes, math.ceil(self.alpha * match_len))
+        continuations = []
+        for tokens, levels in sources:
+            for end in levels[match_len - 1][::-1] if len(levels) == match_len else []:  # most recent first
+                continuations.append(_until_separator(tokens[end : end + budget]))
+        return speculation_tree(continuations[: self.max_occurrences], budget, self.min_prob)
+
+    def _extend(self, context: list[int]) -> np.ndarray:
+        """This request's tokens, with the context's new ones copied in (the context only grows in a request)."""
+        if len(context) > len(self.tokens):
+            self.tokens = np.resize(self.tokens, 2 * len(context))
+        self.tokens[self.length : len(context)] = context[self.length :]
+        self.length = len(context)
+        return self.tokens[: self.length]
+
+
+def _until_separator(tokens: np.ndarray) -> list[int]:
+    cut = np.flatnonzero(tokens == SEPARATOR)
+    return tokens[: cut[0] if len(cut) else len(tokens)].tolist()
+
+
+def speculation_tree(continuations: list[list[int]], budget: int, min_prob: float) -> Draft:
+    """The `budget` most frequent nodes of the continuations' trie whose share of the continuations is at least
+    min_prob. Counts fall along every path and parents come first, so the kept set is a tree; siblings stay in
+    the order their first continuation was listed."""
+    tokens, parents, counts = trie(continuations)
+    ranked = sorted(range(len(tokens)), key=lambda node: (-counts[node], node))[:budget]
+    keep = torch.zeros(len(tokens), dtype=torch.bool)  # [N]
+    keep[torch.tensor([n for n in ranked if counts[n] >= min_prob * len(continuations)], dtype=torch.long)] = True
+    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)).subset(keep)
