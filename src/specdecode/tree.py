@@ -44,16 +44,15 @@ class Draft:
     def depth_limited(self, max_depth: int) -> "Draft":
         """The sub-tree of nodes at depth <= max_depth (depth of a root child = 1)."""
         keep = depths(self.parents) <= max_depth  # [N] bool
-        return self if bool(keep.all()) else self.subset(keep)
+        return self if bool(keep.all()) else self.subset(keep.nonzero().flatten())
 
-    def subset(self, keep: torch.Tensor) -> "Draft":
-        """The draft over the nodes where keep [N] bool is True, in their order; every kept node's parent is kept."""
-        kept = keep.nonzero().flatten()  # [M]
+    def subset(self, nodes: torch.Tensor) -> "Draft":
+        """The draft over `nodes` [M] (indices), renumbered in that order; each node's parent is listed before it."""
         new_index = torch.full((len(self) + 1,), -1, dtype=torch.long)  # slot 0 = root
-        new_index[kept + 1] = torch.arange(kept.shape[0])
-        parents = new_index[self.parents[kept] + 1]
-        probs = None if self.draft_probs is None else self.draft_probs[kept]
-        return Draft(self.tokens[kept], parents, probs)
+        new_index[nodes + 1] = torch.arange(nodes.shape[0])
+        parents = new_index[self.parents[nodes] + 1]
+        probs = None if self.draft_probs is None else self.draft_probs[nodes]
+        return Draft(self.tokens[nodes], parents, probs)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

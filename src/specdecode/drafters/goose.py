@@ -56,4 +56,4 @@ class GooseDrafter(TokenRecyclingDrafter):
 
 def first_nodes(draft: Draft, n: int) -> Draft:
     """The first n nodes of a draft listed in priority order (parents come first, so they form a tree)."""
-    return draft.subset(torch.arange(len(draft)) < n)
+    return draft.subset(torch.arange(min(n, len(draft))))
