@@ -48,7 +48,9 @@ def _json_line(path: str, number: int, line: str):
     try:
         return json.loads(line)
     except json.JSONDecodeError:
-        raise SpecDecodeError(f"line {number} of corpus {path} is not JSON.", "Write one JSON object per line.") from None
+        raise SpecDecodeError(
+            f"line {number} of corpus {path} is not JSON.", "Write one JSON value per line, or pass a text file."
+        ) from None
 
 
 def _strings(value) -> list[str]:

@@ -42,8 +42,10 @@ class SuffixDrafter(Drafter):
         max_history: int = 100_000,
         corpus: str | None = None,
     ):
-        if max_match < 1 or max_nodes < 1 or alpha <= 0 or not 0 <= min_prob <= 1 or max_occurrences < 1:
-            raise TypeError("need max_match >= 1, max_nodes >= 1, alpha > 0, 0 <= min_prob <= 1, max_occurrences >= 1")
+        if min(max_match, max_nodes, max_occurrences) < 1 or alpha <= 0 or not 0 <= min_prob <= 1 or max_history < 0:
+            raise TypeError(
+                "need max_match, max_nodes, max_occurrences >= 1, alpha > 0, 0 <= min_prob <= 1 and max_history >= 0"
+            )
         self.max_match, self.max_nodes, self.alpha = max_match, max_nodes, alpha
         self.min_prob, self.max_occurrences, self.max_history = min_prob, max_occurrences, max_history
         documents = read_corpus(corpus, target.tokenizer) if corpus else []
@@ -65,16 +67,19 @@ class SuffixDrafter(Drafter):
         self._append(context[self.length :])  # the first token (sampled at prefill) is not in any verdict
         own = self.tokens[: self.length]
         suffix = own[-self.max_match :]
-        sources = [(tokens, suffix_matches(tokens, suffix, self.max_match)) for tokens in (own, self.history, self.corpus)]
+        sources = [
+            (tokens, suffix_matches(tokens, suffix, self.max_match)) for tokens in (own, self.history, self.corpus)
+        ]
         match_len = max(len(levels) for _, levels in sources)
         if not match_len:
             return Draft.empty()
         budget = min(self.max_nodes, math.ceil(self.alpha * match_len))
-        continuations = []
+        continuations: list[list[int]] = []
         for tokens, levels in sources:
-            for end in levels[match_len - 1][::-1] if len(levels) == match_len else []:  # most recent first
-                continuations.append(_until_separator(tokens[end : end + budget]))
-        return speculation_tree(continuations[: self.max_occurrences], budget, self.min_prob)
+            if len(levels) == match_len:
+                ends = levels[-1][::-1][: self.max_occurrences - len(continuations)]  # most recent first
+                continuations += [_until_separator(tokens[end : end + budget]) for end in ends]
+        return speculation_tree(continuations, budget, self.min_prob)
 
     def commit(self, verdict, draft, target_logits) -> None:
         self._append(verdict.new_tokens)  # here rather than at the next proposal: the last step's tokens count too
