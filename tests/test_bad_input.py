@@ -107,6 +107,12 @@ def test_bad_drafter_option():
         build_drafter("pld", tiny_model("llama"), nonsense=3)
 
 
+@pytest.mark.parametrize("name", ["suffix", "hierarchy"])
+def test_missing_corpus_file(name):
+    with pytest.raises(SpecDecodeError, match="cannot read corpus /nonexistent/corpus.txt: No such file"):
+        build_drafter(name, tiny_model("llama"), corpus="/nonexistent/corpus.txt")
+
+
 @pytest.mark.real_model
 def test_prompt_longer_than_the_context(capsys, tmp_path, smollm2):
     prompt = tmp_path / "long.txt"

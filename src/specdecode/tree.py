@@ -45,14 +45,15 @@ class Draft:
     def depth_limited(self, max_depth: int) -> "Draft":
         """The sub-tree of nodes at depth <= max_depth (depth of a root child = 1)."""
         keep = depths(self.parents) <= max_depth  # [N] bool
-        if bool(keep.all()):
-            return self
-        kept = keep.nonzero().flatten()  # [M]
+        return self if bool(keep.all()) else self.subset(keep.nonzero().flatten())
+
+    def subset(self, nodes: torch.Tensor) -> "Draft":
+        """The draft over `nodes` [M] (indices), renumbered in that order; each node's parent is listed before it."""
         new_index = torch.full((len(self) + 1,), -1, dtype=torch.long)  # slot 0 = root
-        new_index[kept + 1] = torch.arange(kept.shape[0])
-        parents = new_index[self.parents[kept] + 1]
-        probs = None if self.draft_probs is None else self.draft_probs[kept]
-        return Draft(self.tokens[kept], parents, probs)
+        new_index[nodes + 1] = torch.arange(nodes.shape[0])
+        parents = new_index[self.parents[nodes] + 1]
+        probs = None if self.draft_probs is None else self.draft_probs[nodes]
+        return Draft(self.tokens[nodes], parents, probs)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
@@ -96,10 +97,12 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def from_sequences(sequences: list[list[int]]) -> Draft:
-    """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
+def trie(sequences: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Merge token sequences that share prefixes. Nodes in creation order (parents first): each node's token, its
+    parent (-1 = root) and how many sequences pass through it."""
     tokens: list[int] = []
     parents: list[int] = []
+    counts: list[int] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for seq in sequences:
         parent = -1
@@ -109,7 +112,15 @@ def from_sequences(sequences: list[list[int]]) -> Draft:
                 index[key] = len(tokens)
                 tokens.append(tok)
                 parents.append(parent)
+                counts.append(0)
             parent = index[key]
+            counts[parent] += 1
+    return tokens, parents, counts
+
+
+def from_sequences(sequences: list[list[int]]) -> Draft:
+    """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
+    tokens, parents, _ = trie(sequences)
     return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 

@@ -1,8 +1,64 @@
-"""An n-gram table: the last `key` tokens -> recent continuations, least recently seen dropped first."""
+"""Lookup pieces shared by the retrieval drafters: an n-gram table (the last `key` tokens -> recent continuations,
+least recently seen dropped first), a suffix match over a token array, and reading a corpus file."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecDecodeError
+
+
+def suffix_matches(tokens: np.ndarray, suffix: np.ndarray, max_n: int) -> list[np.ndarray]:
+    """Occurrences of the end of `suffix` in `tokens` that have a continuation: levels[n-1] holds, ascending, every
+    end e < len(tokens) with tokens[e-n:e] == suffix[-n:] (the continuation starts at e), for n = 1, 2, ... up to
+    max_n or the longest n that occurs. Each level filters the one before, so all lengths cost one scan."""
+    ends = np.flatnonzero(tokens[:-1] == suffix[-1]) + 1  # [M]
+    levels = []
+    for n in range(1, min(max_n, len(suffix)) + 1):
+        if n > 1:
+            ends = ends[ends >= n]
+            ends = ends[tokens[ends - n] == suffix[-n]]
+        if not len(ends):
+            break
+        levels.append(ends)
+    return levels
+
+
+def read_corpus(path: str, tokenizer) -> list[list[int]]:
+    """Token ids of each document of a corpus file: a text file is one document; in a .jsonl file each line is one
+    (the string values of its JSON object, joined by newlines)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot read corpus {path}: {exc.strerror}.", "Check the path.") from None
+    except UnicodeDecodeError:
+        raise SpecDecodeError(f"corpus {path} is not UTF-8 text.", "Pass a text or .jsonl file.") from None
+    documents = [text]
+    if path.endswith(".jsonl"):
+        lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+        documents = ["\n".join(_strings(_json_line(path, number, line))) for number, line in lines]
+    return [list(ids) for ids in tokenizer(documents)["input_ids"]] if documents else []
+
+
+def _json_line(path: str, number: int, line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        raise SpecDecodeError(
+            f"line {number} of corpus {path} is not JSON.", "Write one JSON value per line, or pass a text file."
+        ) from None
+
+
+def _strings(value) -> list[str]:
+    """Every string in a JSON value, in document order."""
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [s for item in items for s in _strings(item)]
 
 
 class NgramTable:

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..tree import Draft, from_sequences
 from .base import Drafter, register
+from .ngram_table import suffix_matches
 
 
 @register("pld")
@@ -30,13 +31,12 @@ def find_continuations(context: list[int], max_ngram: int, min_ngram: int, k: in
     """Up to `branches` distinct continuations of <= k tokens that followed earlier occurrences of the context's
     last n tokens; longer n-grams first, then the most recent occurrence first."""
     ctx = np.asarray(context, dtype=np.int64)
+    levels = suffix_matches(ctx, ctx, max_ngram)  # levels[n-1]: where the last n tokens occurred earlier
     found: list[list[int]] = []
-    for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [L-n, n], excludes the tail itself
-        starts = np.flatnonzero((windows == ctx[-n:]).all(axis=1))[::-1]  # most recent first
-        for start in starts:
-            continuation = ctx[start + n : start + n + k].tolist()
-            if continuation and continuation not in found:
+    for n in range(len(levels), min_ngram - 1, -1):
+        for end in levels[n - 1][::-1]:  # most recent first
+            continuation = ctx[end : end + k].tolist()
+            if continuation not in found:
                 found.append(continuation)
                 if len(found) == branches:
                     return found

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from ..tree import Draft
+from ..tree import Draft, from_sequences
 from .base import Drafter, register
 
 
@@ -26,6 +26,14 @@ def rank_template(branching: tuple[int, ...], rank_budget: int) -> list[tuple[in
     return paths
 
 
+def parse_template(branching: str, k: int, rank_budget: int) -> list[tuple[int, ...]]:
+    """The rank template of a "4,2,1"-style option (widths by depth) over a table of k candidates per token."""
+    widths = tuple(int(b) for b in str(branching).split(","))
+    if k < 1 or rank_budget < 0 or not widths or min(widths) < 1 or max(widths) > k:
+        raise TypeError("need k >= 1, rank_budget >= 0 and 1 <= each branching width <= k")
+    return rank_template(widths, rank_budget)
+
+
 @register("recycling")
 class TokenRecyclingDrafter(Drafter):
     variants = ({}, {"branching": "2,2,1", "rank_budget": 1, "k": 2})
@@ -33,31 +41,26 @@ class TokenRecyclingDrafter(Drafter):
                  {"branching": "4,2,2,1,1,1", "rank_budget": 2}, {"branching": "1,1,1,1"})
 
     def __init__(self, target, k: int = 8, branching: str = "4,2,2,1,1,1", rank_budget: int = 1):
-        widths = tuple(int(b) for b in str(branching).split(","))
-        if k < 1 or rank_budget < 0 or not widths or min(widths) < 1 or max(widths) > k:
-            raise TypeError("need k >= 1, rank_budget >= 0 and 1 <= each branching width <= k")
-        self.template = rank_template(widths, rank_budget)
-        self.index = {path: i for i, path in enumerate(self.template)}
+        self.template = parse_template(branching, k, rank_budget)
         self.max_nodes = len(self.template)
         self.adj = torch.full((target.vocab_size, k), -1, dtype=torch.long)  # [V, k] successor candidates
         self.root = -1  # the last committed token of the current step
 
     def propose(self, context, params, generator) -> Draft:
         self.root = context[-1]
-        tokens, parents = [], []
-        node_of: dict[tuple[int, ...], int] = {(): -1}
-        token_of: dict[tuple[int, ...], int] = {(): context[-1]}
-        for path in self.template:
-            parent_path = path[:-1]
-            if parent_path not in node_of:  # the parent had no candidate
+        return from_sequences(self.recycled_paths(context[-1], self.template))
+
+    def recycled_paths(self, token: int, template: list[tuple[int, ...]]) -> list[list[int]]:
+        """The token path below `token` of each rank path in `template` that the table can fill, in template order."""
+        paths: dict[tuple[int, ...], list[int]] = {(): []}
+        for ranks in template:
+            parent = paths.get(ranks[:-1])
+            if parent is None:  # the parent had no candidate
                 continue
-            token = int(self.adj[token_of[parent_path], path[-1]])
-            if token < 0:
-                continue
-            node_of[path], token_of[path] = len(tokens), token
-            tokens.append(token)
-            parents.append(node_of[parent_path])
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+            successor = int(self.adj[parent[-1] if parent else token, ranks[-1]])
+            if successor >= 0:
+                paths[ranks] = parent + [successor]
+        return list(paths.values())[1:]
 
     def commit(self, verdict, draft, target_logits) -> None:
         node_tokens = torch.cat([torch.tensor([self.root]), draft.tokens])  # [N+1]: the rows of target_logits
