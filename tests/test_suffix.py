@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from specdecode.drafters import build_drafter
 from specdecode.drafters.ngram_table import read_corpus, suffix_matches
@@ -22,8 +23,11 @@ class NumberTokenizer:
 
 
 class FakeTarget:
+    name = "fake"
     vocab_size = 64
     tokenizer = NumberTokenizer()
+    dtype = torch.float32
+    quant = "none"
 
 
 def propose(drafter, context):
