@@ -141,5 +141,5 @@ def test_scheduler_batches_requests_and_each_gets_its_answer_alone(max_batch):
     assert results[:-1] == expected
     assert isinstance(results[-1], ValueError)  # the failing request fails alone
     assert scheduler.active == 0 and scheduler.pool.keys is None
-    assert scheduler.forwarded > scheduler.forwards if max_batch > 1 else scheduler.forwarded == scheduler.forwards
+    assert scheduler.batched_requests > scheduler.batches if max_batch > 1 else scheduler.batched_requests == scheduler.batches
     assert len(calls) == len(jobs)  # the prefills: every verification ran in place on the pool (forward_batch)

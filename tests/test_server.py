@@ -134,11 +134,12 @@ def test_disconnect_mid_stream_cancels_and_others_keep_being_served(server, clie
                                           max_tokens=5, temperature=0).choices[0].message.content
 
 
-def test_concurrent_requests_are_independent_and_correct(client):
+def test_concurrent_requests_are_batched_and_each_gets_its_answer_alone(server, client):
     prompts = ["Count from 1 to 10.", "What is 2+2?", "Name a fruit.", "Say hello in French."]
     expected = {p: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
                                                   temperature=0, max_tokens=24).choices[0].message.content
                 for p in prompts}
+    before = httpx.get(server + "/health").json()
     results: dict[str, str] = {}
 
     def ask(p):
@@ -151,3 +152,6 @@ def test_concurrent_requests_are_independent_and_correct(client):
     for t in threads:
         t.join(timeout=120)
     assert results == expected
+    after = httpx.get(server + "/health").json()
+    batches = after["batches"] - before["batches"]
+    assert after["batched_requests"] - before["batched_requests"] > batches  # some forwards verified several

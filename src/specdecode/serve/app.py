@@ -90,7 +90,7 @@ def create_app(
     @app.get("/health")
     async def health():
         return {"status": "ok", "active_requests": scheduler.active, "max_batch": scheduler.max_batch,
-                "target_forwards": scheduler.forwards, "batched_requests": scheduler.forwarded}
+                "batches": scheduler.batches, "batched_requests": scheduler.batched_requests}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):

@@ -39,8 +39,8 @@ class Scheduler:
         self.target = target
         self.max_batch = max_batch
         self.pool = KVPool()
-        self.forwards = 0  # batched forwards run
-        self.forwarded = 0  # requests' forwards inside them (forwarded / forwards = mean batch size)
+        self.batches = 0  # verification forwards run (forward_batch calls)
+        self.batched_requests = 0  # requests verified in them (batched_requests / batches = mean batch size)
         self._jobs: set[Job] = set()  # every live job
         self._new: list[Job] = []  # submitted, not started
         self._waiting: list[Job] = []  # started, each waiting for job.request; in pool slot order
@@ -89,8 +89,8 @@ class Scheduler:
             results = self.target.forward_batch(requests)
         except Exception:
             results = [self._forward_alone(request) for request in requests]
-        self.forwards += 1
-        self.forwarded += len(batch)
+        self.batches += 1
+        self.batched_requests += len(batch)
         for job, result in zip(batch, results):
             if isinstance(result, Exception):
                 self._fail(job, result)
