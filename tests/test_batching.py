@@ -4,6 +4,7 @@ scheduler's batched decoding == each request decoded alone."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -143,3 +144,18 @@ def test_scheduler_batches_requests_and_each_gets_its_answer_alone(max_batch):
     assert scheduler.active == 0 and scheduler.pool.keys is None
     assert scheduler.batched_requests > scheduler.batches if max_batch > 1 else scheduler.batched_requests == scheduler.batches
     assert len(calls) == len(jobs)  # the prefills: every verification ran in place on the pool (forward_batch)
+
+
+def test_a_cancelled_request_is_dropped_and_its_slot_freed():
+    target = tiny_model("llama", seed=1)
+    scheduler = Scheduler(target, max_batch=4)
+    started, items = threading.Event(), []
+    job = scheduler.submit(decode_steps(target, build_drafter("pld", target), PROMPTS[1], 200, GREEDY),
+                           lambda item: items.append(item) or started.set())
+    assert started.wait(timeout=60)
+    job.cancel()
+    deadline = time.time() + 30
+    while scheduler.active and time.time() < deadline:
+        time.sleep(0.05)
+    assert scheduler.active == 0 and scheduler.pool.keys is None
+    assert DONE not in items and sum(len(step) for step in items) < 200  # stopped early, not run to the end
