@@ -76,6 +76,11 @@ def tree_request(cache: KVCache, root_token: int, draft: Draft) -> ForwardReques
     return ForwardRequest(cache, ids, positions, ancestor_mask(parents))
 
 
+def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft) -> torch.Tensor:
+    """One forward over [root, draft tokens] with tree attention; returns [N+1, V] target logits, uncommitted."""
+    return tree_request(cache, root_token, draft).run(model)
+
+
 def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[q, end+q] bool over every cache entry, once the q new slots are reserved: committed entries are
     visible, the uncommitted ones as tree_mask says; with a sliding window, only keys less than `window`

@@ -101,4 +101,3 @@ class HFModel(CausalLM):
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A bool mask as the additive float mask transformers takes: 0 where allowed, the dtype's minimum elsewhere."""
         return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-
