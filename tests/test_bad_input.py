@@ -44,6 +44,10 @@ def test_out_of_range_values_fail_before_loading(capsys, extra, needle):
     assert needle in run_cli(capsys, *GEN, *extra)
 
 
+def test_serve_max_batch_below_one(capsys):
+    assert "--max-batch" in run_cli(capsys, "serve", "--model", "smollm2-135m-instruct", "--max-batch", "0")
+
+
 def test_unknown_model(capsys):
     line = run_cli(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
     assert "unknown model" in line and "smollm2-135m-instruct" in line

@@ -27,12 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2):  # smollm2: pulled before the server starts
+def start_server(*extra: str):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdecode.cli", "serve", "--model", MODEL, "--drafter", "pld", "--dtype", "float32",
-         "--port", str(port), "--api-key", KEY],
+         "--port", str(port), "--api-key", KEY, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -47,6 +46,16 @@ def server(smollm2):  # smollm2: pulled before the server starts
     yield base
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):  # smollm2: pulled before the server starts
+    yield from start_server()
+
+
+@pytest.fixture(scope="module")
+def hf_server(smollm2):  # the transformers backend, whose forward_batch runs a batch as one padded forward
+    yield from start_server("--backend", "hf")
 
 
 @pytest.fixture()
@@ -134,11 +143,15 @@ def test_disconnect_mid_stream_cancels_and_others_keep_being_served(server, clie
                                           max_tokens=5, temperature=0).choices[0].message.content
 
 
-def test_concurrent_requests_are_independent_and_correct(client):
+@pytest.mark.parametrize("backend_server", ["server", "hf_server"])
+def test_concurrent_requests_are_batched_and_each_gets_its_answer_alone(request, backend_server):
+    server = request.getfixturevalue(backend_server)
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
     prompts = ["Count from 1 to 10.", "What is 2+2?", "Name a fruit.", "Say hello in French."]
     expected = {p: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
                                                   temperature=0, max_tokens=24).choices[0].message.content
                 for p in prompts}
+    before = httpx.get(server + "/health").json()
     results: dict[str, str] = {}
 
     def ask(p):
@@ -151,3 +164,6 @@ def test_concurrent_requests_are_independent_and_correct(client):
     for t in threads:
         t.join(timeout=120)
     assert results == expected
+    after = httpx.get(server + "/health").json()
+    batches = after["batches"] - before["batches"]
+    assert after["batched_requests"] - before["batched_requests"] > batches  # some forwards verified several

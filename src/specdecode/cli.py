@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this bearer token (default: $SPECDECODE_API_KEY, or none)")
     serve.add_argument("--served-model-name", help="model id clients use (default: --model)")
     serve.add_argument("--default-max-tokens", type=int, default=512)
+    serve.add_argument("--max-batch", type=int, default=8,
+                       help="most concurrent requests verified in one target forward (1 = no batching)")
     serve.set_defaults(run=cmd_serve)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, local (--model) or with a server (--url)")
@@ -331,9 +333,13 @@ def cmd_serve(args) -> int:
 
     from .serve import create_app
 
+    if args.max_batch < 1:
+        raise SpecDecodeError(f"--max-batch must be >= 1, got {args.max_batch}.", "Pass 1 to turn batching off.")
     decoder = decoder_from_args(args)
-    app = create_app(decoder, args.served_model_name or args.model, args.api_key, args.default_max_tokens)
-    print(f"serving {args.model} (drafter {args.drafter}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    app = create_app(decoder, args.served_model_name or args.model, args.api_key, args.default_max_tokens,
+                     args.max_batch)
+    print(f"serving {args.model} (drafter {args.drafter}, max batch {args.max_batch}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

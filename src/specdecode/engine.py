@@ -1,17 +1,22 @@
 """The decode loop. It knows interfaces only: a drafter proposes a tree, the target scores it in one forward,
-the verifier picks the accepted path plus one bonus token, and the cache keeps that path."""
+the verifier picks the accepted path plus one bonus token, and the cache keeps that path.
+
+The loop (decode_steps) is a generator that hands its verification forwards out as ForwardRequests and is sent
+back the target logits, so whoever drives it decides how forwards run: decode() runs each with target.forward;
+the server's scheduler gathers many requests' forwards into one target.forward_batch.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from .drafters import Drafter
 from .errors import SpecDecodeError
-from .models.base import CausalLM, forward_tree, prefill
+from .models.base import CausalLM, ForwardRequest, prefill, tree_request
 from .sampling import SamplingParams, sample, probs_from_logits
 from .verify import Verifier, verifier_for
 
@@ -25,7 +30,7 @@ class Stats:
     accepted_tokens: int = 0  # draft tokens accepted (bonus tokens excluded)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target forward + verification (in a server batch: the wait for the batch's forward)
     seconds: float = 0.0
     finish_reason: str = ""
     accepted_per_step: list[int] = field(default_factory=list)
@@ -75,6 +80,30 @@ def decode(
     verifier: Verifier | None = None,
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each step; `stats` (if given) is filled in as decoding goes."""
+    steps = decode_steps(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier)
+    item = next(steps, None)
+    while item is not None:
+        if isinstance(item, ForwardRequest):
+            item = steps.send(item.run(target))
+        else:
+            yield item
+            item = next(steps, None)
+
+
+Step = list[int] | ForwardRequest  # what decode_steps yields: a step's new tokens, or a forward it needs
+
+
+def decode_steps(
+    target: CausalLM,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    stats: Stats | None = None,
+    verifier: Verifier | None = None,
+) -> Generator[Step, torch.Tensor | None, None]:
+    """The decode loop: yields each step's new tokens, and before each verification a ForwardRequest, which the
+    driver answers by sending its [N+1, V] target logits."""
     check_prompt(target, len(prompt_ids), max_new_tokens)
     if not params.greedy and not drafter.supports_sampling:
         raise SpecDecodeError(f"drafter '{drafter.name}' supports greedy decoding only.", "Use --temperature 0.")
@@ -105,7 +134,7 @@ def decode(
         t0 = time.perf_counter()
         draft = drafter.propose(context, params, generator).depth_limited(remaining - 1)
         t1 = time.perf_counter()
-        target_logits = forward_tree(target, cache, context[-1], draft)  # [N+1, V]
+        target_logits = yield tree_request(cache, context[-1], draft)  # [N+1, V], sent by the driver
         verdict = verifier.verify(draft, target_logits, params, generator)
         cache.keep([0] + [i + 1 for i in verdict.accepted])  # root + accepted path
         t2 = time.perf_counter()

@@ -1,3 +1,3 @@
-from .kv import KVCache
+from .kv import KVBatch, KVCache, KVPool
 
-__all__ = ["KVCache"]
+__all__ = ["KVBatch", "KVCache", "KVPool"]

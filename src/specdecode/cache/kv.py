@@ -4,6 +4,10 @@ Entries [0, length) are committed: the context, at positions 0..length-1. A forw
 the uncommitted ones (entries [length, end)) without committing them; the engine then commits the entries of the
 accepted path with keep(), or drops them with discard(). A draft model expanding a tree level by level keeps its
 earlier levels uncommitted until it is done.
+
+For batched forwards across requests (the server), a KVPool keeps many requests' caches in one [L, B, H, C, D]
+store: each KVCache becomes a view of its slot, so a forward over consecutive slots (a KVBatch) reads and writes
+every request's entries in place, with no per-step copying of caches.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class KVCache:
         self.capacity = capacity
         self.length = 0  # committed entries
         self.end = 0  # committed + uncommitted entries
+        self.pool: KVPool | None = None  # set while the cache lives in a pool slot
 
     @property
     def pending(self) -> int:
@@ -66,3 +71,104 @@ class KVCache:
         """Roll back to the first `length` committed entries: O(1)."""
         self.length = min(self.length, length)
         self.end = self.length
+
+    def move_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the entries (committed and not) into new [L, 1, H, C', D] storage, C' >= end, and use it from now on."""
+        keys[:, :, :, : self.end] = self.keys[:, :, :, : self.end]
+        values[:, :, :, : self.end] = self.values[:, :, :, : self.end]
+        positions = torch.zeros(keys.shape[3], dtype=torch.long)  # [C']
+        positions[: self.end] = self.positions[: self.end]
+        self.keys, self.values, self.positions, self.capacity = keys, values, positions, keys.shape[3]
+
+
+class KVPool:
+    """Many requests' KVCaches in one [L, B, H, C, D] store; slot i holds caches[i], whose keys/values are views.
+
+    Slots stay packed (0..n-1): releasing a cache moves the last slot's cache into the hole (one copy per finished
+    request), so any run of consecutive slots is one tensor view. The store grows (doubling its slots, or to the
+    longest capacity asked for) by copying the live caches once, and is freed when the last cache leaves.
+    """
+
+    def __init__(self):
+        self.caches: list[KVCache] = []
+        self.keys: torch.Tensor | None = None  # [L, B, H, C, D]
+        self.values: torch.Tensor | None = None  # [L, B, H, C, D]
+
+    def slot(self, cache: KVCache) -> int:
+        return next(i for i, held in enumerate(self.caches) if held is cache)
+
+    def adopt(self, cache: KVCache) -> None:
+        """Move a cache into the next free slot; from now on it is a view of that slot."""
+        assert cache.pool is None, "the cache is already in a pool"
+        slots, capacity = (0, 0) if self.keys is None else (self.keys.shape[1], self.keys.shape[3])
+        full = len(self.caches) == slots
+        if full or cache.capacity > capacity:
+            self._resize(cache, max(2 * slots, 1) if full else slots, max(capacity, cache.capacity))
+        self.caches.append(cache)
+        cache.pool = self
+        self._bind(len(self.caches) - 1)
+
+    def release(self, cache: KVCache) -> None:
+        """Free the cache's slot (the cache must not be used afterwards); the last slot's cache moves into it."""
+        index = self.slot(cache)
+        last = self.caches.pop()
+        if last is not cache:
+            self.caches[index] = last
+            self._bind(index)
+        cache.pool = None
+        if not self.caches:
+            self.keys = self.values = None
+
+    def batch(self, caches: list[KVCache], q: int) -> KVBatch | None:
+        """These caches as one batch for a forward over q tokens each, if they fill consecutive slots in this
+        order; None otherwise."""
+        first = self.slot(caches[0])
+        if self.caches[first : first + len(caches)] != caches:  # list == compares KVCaches by identity
+            return None
+        rows = slice(first, first + len(caches))
+        return KVBatch(caches, self.keys[:, rows], self.values[:, rows], q)
+
+    def _resize(self, like: KVCache, slots: int, capacity: int) -> None:
+        n_layers, _, n_heads, _, head_dim = like.keys.shape
+        shape = (n_layers, slots, n_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=like.keys.dtype)
+        self.values = torch.zeros(shape, dtype=like.values.dtype)
+        for index in range(len(self.caches)):
+            self._bind(index)
+
+    def _bind(self, index: int) -> None:
+        self.caches[index].move_to(self.keys[:, index : index + 1], self.values[:, index : index + 1])
+
+
+class KVBatch:
+    """B caches in consecutive pool slots, read and written by one forward over q tokens per request.
+
+    Row b's new entries go to [end_b, end_b + q) of its slot; a request with fewer than q tokens is padded, and its
+    padding entries land past its own entries, where its mask hides them and its next forward overwrites them.
+    """
+
+    def __init__(self, caches: list[KVCache], keys: torch.Tensor, values: torch.Tensor, q: int):
+        self.caches = caches
+        self.keys, self.values = keys, values  # [L, B, H, C, D] views of the pool
+        self.q = q
+        self.ends = torch.tensor([cache.end for cache in caches])  # [B]
+        self.end = int(self.ends.max())  # the longest row's entries before this forward
+        self.key_count = self.end + q  # keys every row attends over (rows mask what is not theirs)
+
+    def reserve(self, positions: torch.Tensor) -> None:
+        """Claim q slots in every row ([B, q] positions, padding included)."""
+        for cache, row in zip(self.caches, positions):
+            cache.reserve(row)
+
+    def update(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        """Write one layer's [B, H, q, D] keys/values after each row's end; return [B, H, key_count, D] views."""
+        rows = torch.arange(len(self.caches))[:, None]  # [B, 1]
+        cols = self.ends[:, None] + torch.arange(self.q)  # [B, q]
+        self.keys[layer][rows, :, cols] = new_keys.transpose(1, 2)  # indexed view is [B, q, H, D]
+        self.values[layer][rows, :, cols] = new_values.transpose(1, 2)
+        return self.keys[layer, :, :, : self.key_count], self.values[layer, :, :, : self.key_count]
+
+    def advance(self, lengths: list[int]) -> None:
+        """Mark each row's own (unpadded) new entries as written, uncommitted."""
+        for cache, q in zip(self.caches, lengths):
+            cache.advance(q)

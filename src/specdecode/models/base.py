@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from ..cache import KVCache
 from ..tree import Draft, ancestor_mask, depths, with_root
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """The inputs of one CausalLM.forward; a server gathers several requests' into one forward_batch."""
+
+    cache: KVCache
+    input_ids: torch.Tensor  # [q]
+    positions: torch.Tensor  # [q]
+    tree_mask: torch.Tensor  # [q, cache.pending + q] bool
+
+    def run(self, model: "CausalLM") -> torch.Tensor:  # [q, V] float32 logits, uncommitted
+        return model.forward(self.cache, self.input_ids, self.positions, self.tree_mask)
 
 
 class CausalLM(ABC):
@@ -35,6 +49,11 @@ class CausalLM(ABC):
     ) -> torch.Tensor:  # [q, V] float32 logits ([1, V] with last_only); the q entries stay uncommitted
         ...
 
+    def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+        """Several requests' forwards (each its own cache); the [q_i, V] logits of each. This default runs them one
+        by one; a backend that can batch overrides it."""
+        return [request.run(self) for request in requests]
+
 
 def prefill(model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
     """Append committed tokens to the cache; return the [V] logits after the last one."""
@@ -48,13 +67,19 @@ def prefill(model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor
     return logits[0]
 
 
-def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft) -> torch.Tensor:
-    """One forward over [root, draft tokens] with tree attention; returns [N+1, V] target logits, uncommitted."""
+def tree_request(cache: KVCache, root_token: int, draft: Draft) -> ForwardRequest:
+    """The verification forward over [root, draft tokens] with tree attention; it yields [N+1, V] target logits,
+    uncommitted."""
     assert cache.pending == 0
     parents = with_root(draft.parents)  # [N+1]
     ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
     positions = cache.length + depths(parents) - 1  # [N+1], root at the next free position
-    return model.forward(cache, ids, positions, ancestor_mask(parents))
+    return ForwardRequest(cache, ids, positions, ancestor_mask(parents))
+
+
+def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft) -> torch.Tensor:
+    """One forward over [root, draft tokens] with tree attention; returns [N+1, V] target logits, uncommitted."""
+    return tree_request(cache, root_token, draft).run(model)
 
 
 def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -67,6 +92,19 @@ def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int 
         key_pos = cache.positions[: cache.end + q]
         query_pos = cache.positions[cache.end : cache.end + q]
         mask &= (query_pos[:, None] - key_pos[None, :]) < window
+    return mask
+
+
+def batch_attention_mask(
+    requests: list[ForwardRequest], q: int, key_count: int, window: int | None = None
+) -> torch.Tensor:
+    """[B, q, key_count] bool for a batch padded to q tokens: row b is request b's attention_mask, with its padded
+    queries seeing only key 0 (a row must see something) and keys past its own entries hidden."""
+    mask = torch.zeros(len(requests), q, key_count, dtype=torch.bool)
+    for row, request in enumerate(requests):
+        own = attention_mask(request.cache, request.input_ids.shape[0], request.tree_mask, window)  # [q_b, end_b+q_b]
+        mask[row, : own.shape[0], : own.shape[1]] = own
+        mask[row, own.shape[0] :, 0] = True
     return mask
 
 

@@ -1,18 +1,21 @@
-"""Any transformers causal LM as a CausalLM: our KVCache behind transformers' Cache API, our 4-D tree mask."""
+"""Any transformers causal LM as a CausalLM: our KVCache behind transformers' Cache API, our 4-D tree mask.
+
+forward_batch runs requests whose caches sit in consecutive slots of one KVPool as one padded batch: the caches are
+read and written in place (a KVBatch) and each row gets its own 4-D mask (committed prefix, tree, padding hidden)."""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache import KVCache
-from .base import CausalLM, attention_mask, eos_token_ids
+from ..cache import KVBatch, KVCache
+from .base import CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids
 
 
 class _CacheView(Cache):
-    """Lets transformers' attention layers write into a KVCache at the reserved slots."""
+    """Lets transformers' attention layers write into a KVCache (or a KVBatch) at the reserved slots."""
 
-    def __init__(self, kv: KVCache, n_layers: int):
+    def __init__(self, kv: KVCache | KVBatch, n_layers: int):
         super().__init__(layers=[])
         self.kv = kv
         self.n_layers = n_layers
@@ -52,20 +55,49 @@ class HFModel(CausalLM):
     def forward(self, cache, input_ids, positions, tree_mask, last_only=False):
         q = input_ids.shape[0]
         cache.reserve(positions)
-        masks = {kind: self._additive(cache, q, tree_mask, kind) for kind in self.layer_types}
+        masks = {kind: self._additive(attention_mask(cache, q, tree_mask, self._window(kind)))[None, None]
+                 for kind in self.layer_types}  # [1, 1, q, end+q] each
+        logits = self._run(input_ids[None], positions[None], masks, _CacheView(cache, self.n_layers), last_only)
+        cache.advance(q)
+        return logits[0]  # [q or 1, V]
+
+    @torch.inference_mode()
+    def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+        lengths = [request.input_ids.shape[0] for request in requests]
+        q = max(lengths)
+        caches = [request.cache for request in requests]
+        pool = caches[0].pool
+        kv = pool.batch(caches, q) if pool is not None else None
+        if kv is None:  # not in consecutive slots of one pool: one forward each
+            return super().forward_batch(requests)
+        input_ids = torch.zeros(len(requests), q, dtype=torch.long)  # [B, q], padded with token 0
+        positions = torch.zeros(len(requests), q, dtype=torch.long)  # [B, q], padded with the last position
+        for row, request in enumerate(requests):
+            input_ids[row, : lengths[row]] = request.input_ids
+            positions[row] = request.positions[-1]
+            positions[row, : lengths[row]] = request.positions
+        kv.reserve(positions)
+        masks = {kind: self._additive(batch_attention_mask(requests, q, kv.key_count, self._window(kind)))[:, None]
+                 for kind in self.layer_types}  # [B, 1, q, key_count] each
+        logits = self._run(input_ids, positions, masks, _CacheView(kv, self.n_layers), last_only=False)  # [B, q, V]
+        kv.advance(lengths)
+        return [logits[row, :length] for row, length in enumerate(lengths)]
+
+    def _run(self, input_ids, positions, masks: dict, cache: _CacheView, last_only: bool) -> torch.Tensor:
+        """[B, q or 1, V] float32 logits of one transformers forward."""
         out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
+            input_ids=input_ids,
+            position_ids=positions,
             attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),
-            cache=_CacheView(cache, self.n_layers),
+            cache=cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
         )
-        cache.advance(q)
-        return out.logits[0].float()  # [q or 1, V]
+        return out.logits.float()
 
-    def _additive(self, cache: KVCache, q: int, tree_mask: torch.Tensor, kind: str) -> torch.Tensor:
-        window = self.sliding_window if kind == "sliding_attention" else None
-        allowed = attention_mask(cache, q, tree_mask, window)  # [q, end+q]
-        additive = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return additive[None, None]  # [1, 1, q, end+q]
+    def _window(self, kind: str) -> int | None:
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A bool mask as the additive float mask transformers takes: 0 where allowed, the dtype's minimum elsewhere."""
+        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)

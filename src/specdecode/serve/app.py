@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import SpecDecoder
-from ..engine import Stats, check_prompt, decode
+from ..engine import Stats, check_prompt, decode_steps
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from ..text import TextAssembler
@@ -63,9 +63,11 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return JSONResponse(body, status_code=status)
 
 
-def create_app(decoder: SpecDecoder, model_name: str, api_key: str | None = None, default_max_tokens: int = 512):
+def create_app(
+    decoder: SpecDecoder, model_name: str, api_key: str | None = None, default_max_tokens: int = 512, max_batch: int = 8
+):
     app = FastAPI(title="specdecode", version="0.1")
-    scheduler = Scheduler()
+    scheduler = Scheduler(decoder.target, max_batch)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request, exc: RequestValidationError):
@@ -87,7 +89,8 @@ def create_app(decoder: SpecDecoder, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "active_requests": scheduler.active}
+        return {"status": "ok", "active_requests": scheduler.active, "max_batch": scheduler.max_batch,
+                "batches": scheduler.batches, "batched_requests": scheduler.batched_requests}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -126,14 +129,15 @@ def create_app(decoder: SpecDecoder, model_name: str, api_key: str | None = None
 
 
 class Run:
-    """One request: its decode loop in the worker thread, its text assembled here as steps arrive."""
+    """One request: its decode loop in the worker thread (which batches its forwards with other requests'), its text
+    assembled here as steps arrive."""
 
     def __init__(self, decoder, scheduler, prompt_ids, max_tokens, params, stops):
         self.stats = Stats()
         self.text = TextAssembler(decoder.tokenizer, stops)
         self.finish_reason = "length"
         self.cancelled = False
-        steps = decode(decoder.target, decoder.new_drafter(), prompt_ids, max_tokens, params, self.stats)
+        steps = decode_steps(decoder.target, decoder.new_drafter(), prompt_ids, max_tokens, params, self.stats)
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.job = scheduler.submit(steps, lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item))

@@ -24,6 +24,7 @@ class LoadResult:
     completion_tokens: int = 0
     wrong: int = 0
     failed: int = 0
+    mean_batch: float = float("nan")  # requests verified per target forward on the server (its /health counters)
 
     @property
     def requests(self) -> int:
@@ -39,7 +40,7 @@ class LoadResult:
             f"clients {self.clients}: {self.requests} requests in {self.seconds:.1f} s, "
             f"{self.requests / self.seconds:.3f} req/s, {self.completion_tokens / self.seconds:.1f} tokens/s, "
             f"latency p50 {self.percentile(50):.2f} s p90 {self.percentile(90):.2f} s p99 {self.percentile(99):.2f} s, "
-            f"wrong {self.wrong}, failed {self.failed}"
+            f"mean batch {self.mean_batch:.2f}, wrong {self.wrong}, failed {self.failed}"
         )
 
 
@@ -71,6 +72,7 @@ def run_load(url: str, api_key: str | None, clients: int, duration: float, max_t
                 result.completion_tokens += reply.usage.completion_tokens
                 result.wrong += reply.choices[0].message.content != expected[prompt]
 
+    before = batch_counters(url)
     begin = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
     for t in threads:
@@ -78,7 +80,21 @@ def run_load(url: str, api_key: str | None, clients: int, duration: float, max_t
     for t in threads:
         t.join()
     result.seconds = time.perf_counter() - begin
+    after = batch_counters(url)
+    if before and after and after[0] > before[0]:
+        result.mean_batch = (after[1] - before[1]) / (after[0] - before[0])
     return result
+
+
+def batch_counters(url: str) -> tuple[int, int] | None:
+    """(verification batches, requests verified in them) from a specdecode server's /health; None elsewhere."""
+    import httpx
+
+    try:
+        health = httpx.get(url.removesuffix("/").removesuffix("/v1") + "/health", timeout=10).json()
+        return health["batches"], health["batched_requests"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
 
 def expected_answers(url: str, api_key: str | None, max_tokens: int) -> dict:
