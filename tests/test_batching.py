@@ -17,7 +17,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.serve.scheduler import DONE, Scheduler
 from specdecode.tree import Draft
 
-from conftest import FAMILIES, native_twin, perturbed_copy, tiny_model
+from conftest import TARGETS, native_twin, perturbed_copy, tiny_model, tiny_pair
 
 GREEDY = SamplingParams()
 PROMPTS = [[3, 9, 4, 17, 3], [11, 5, 60, 2, 33, 48, 7, 1, 19, 50, 41], [8, 8, 21, 30, 12, 5, 9, 40]]
@@ -28,9 +28,9 @@ DRAFTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=TARGETS)
 def target(request):
-    return tiny_model(request.param, seed=3)
+    return tiny_pair(request.param, seed=3)[0]
 
 
 def prefilled(target: CausalLM, prompt: list[int]) -> KVCache:
@@ -126,7 +126,7 @@ def run_jobs(scheduler: Scheduler, jobs: list) -> list:
 def test_scheduler_batches_requests_and_each_gets_its_answer_alone(backend, max_batch):
     target = tiny_model("qwen2", seed=1)
     draft_model = perturbed_copy(target, scale=0.1, seed=2)
-    if backend == "native":  # no batched forward of its own: the default forward_batch over pooled caches
+    if backend == "native":
         target, draft_model = native_twin(target), native_twin(draft_model)
     prompts = PROMPTS + [[3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9], [60, 61, 2]]
     drafters = [("pld", {}), ("draft", {"draft_model": draft_model}), ("none", {}),
@@ -146,8 +146,7 @@ def test_scheduler_batches_requests_and_each_gets_its_answer_alone(backend, max_
     assert isinstance(results[-1], ValueError)  # the failing request fails alone
     assert scheduler.active == 0 and scheduler.pool.keys is None
     assert scheduler.batched_requests > scheduler.batches if max_batch > 1 else scheduler.batched_requests == scheduler.batches
-    if backend == "hf":
-        assert len(calls) == len(jobs)  # the prefills: every verification ran in place on the pool (forward_batch)
+    assert len(calls) == len(jobs)  # the prefills: every verification ran in place on the pool (forward_batch)
 
 
 def test_a_cancelled_request_is_dropped_and_its_slot_freed():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVBatch, KVCache
 from ..tree import Draft, ancestor_mask, depths, with_root
 
 
@@ -93,6 +93,34 @@ def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int 
         query_pos = cache.positions[cache.end : cache.end + q]
         mask &= (query_pos[:, None] - key_pos[None, :]) < window
     return mask
+
+
+@dataclass
+class BatchInputs:
+    """Requests whose caches fill consecutive slots of one KVPool, padded into one [B, q] forward."""
+
+    kv: KVBatch
+    input_ids: torch.Tensor  # [B, q], padded with token 0
+    positions: torch.Tensor  # [B, q], padded with each row's last position
+    lengths: list[int]  # each request's own q
+    q: int
+
+    @classmethod
+    def of(cls, requests: list[ForwardRequest]) -> "BatchInputs | None":
+        """None when the caches are not consecutive slots of one pool (then run them one by one)."""
+        lengths = [request.input_ids.shape[0] for request in requests]
+        q = max(lengths)
+        pool = requests[0].cache.pool
+        kv = pool.batch([request.cache for request in requests], q) if pool is not None else None
+        if kv is None:
+            return None
+        input_ids = torch.zeros(len(requests), q, dtype=torch.long)
+        positions = torch.zeros(len(requests), q, dtype=torch.long)
+        for row, request in enumerate(requests):
+            input_ids[row, : lengths[row]] = request.input_ids
+            positions[row] = request.positions[-1]
+            positions[row, : lengths[row]] = request.positions
+        return cls(kv, input_ids, positions, lengths, q)
 
 
 def batch_attention_mask(

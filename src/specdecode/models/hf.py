@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import KVBatch, KVCache
-from .base import CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids
+from .base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids
 
 
 class _CacheView(Cache):
@@ -63,19 +63,10 @@ class HFModel(CausalLM):
 
     @torch.inference_mode()
     def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
-        lengths = [request.input_ids.shape[0] for request in requests]
-        q = max(lengths)
-        caches = [request.cache for request in requests]
-        pool = caches[0].pool
-        kv = pool.batch(caches, q) if pool is not None else None
-        if kv is None:  # not in consecutive slots of one pool: one forward each
+        batch = BatchInputs.of(requests)
+        if batch is None:  # not in consecutive slots of one pool: one forward each
             return super().forward_batch(requests)
-        input_ids = torch.zeros(len(requests), q, dtype=torch.long)  # [B, q], padded with token 0
-        positions = torch.zeros(len(requests), q, dtype=torch.long)  # [B, q], padded with the last position
-        for row, request in enumerate(requests):
-            input_ids[row, : lengths[row]] = request.input_ids
-            positions[row] = request.positions[-1]
-            positions[row, : lengths[row]] = request.positions
+        kv, input_ids, positions, lengths, q = batch.kv, batch.input_ids, batch.positions, batch.lengths, batch.q
         kv.reserve(positions)
         masks = {kind: self._additive(batch_attention_mask(requests, q, kv.key_count, self._window(kind)))[:, None]
                  for kind in self.layer_types}  # [B, 1, q, key_count] each

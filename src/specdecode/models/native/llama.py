@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...cache import KVCache
-from ..base import CausalLM, attention_mask
+from ..base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask
 from .linear import Linear
 from .weights import PreparedWeights
 from .ops import apply_rotary, attend, inverse_frequencies, rms_norm, rotary
@@ -69,28 +69,48 @@ class LlamaModel(CausalLM):
     def forward(self, cache, input_ids, positions, tree_mask, last_only=False):
         q = input_ids.shape[0]
         cache.reserve(positions)
-        mask = None if q == 1 and cache.pending == 0 else attention_mask(cache, q, tree_mask)  # [q, end+q]
-        cos, sin = rotary(positions, self.inv_freq, self.dtype)  # [q, D]
-        hidden = self.embed[input_ids]  # [q, d]
-        for layer, block in enumerate(self.blocks):
-            hidden = hidden + self._attention(block, layer, cache, hidden, cos, sin, mask)
-            hidden = hidden + self._mlp(block, hidden)
+        # one new token with nothing uncommitted before it sees everything: no mask
+        mask = None if q == 1 and cache.pending == 0 else attention_mask(cache, q, tree_mask)[None]  # [1, q, end+q]
+        logits = self._run(cache, input_ids[None], positions[None], mask, last_only)  # [1, q or 1, V]
         cache.advance(q)
-        if last_only:
-            hidden = hidden[-1:]
-        return self.lm_head(rms_norm(hidden, self.norm, self.eps)).float()  # [q or 1, V]
+        return logits[0]
 
-    def _attention(self, block: Block, layer: int, cache, hidden, cos, sin, mask) -> torch.Tensor:
-        q, hq, hkv = hidden.shape[0], self.n_heads, self.n_kv_heads
-        qkv = block.qkv(rms_norm(hidden, block.attn_norm, self.eps))  # [q, (Hq + 2 Hkv) D]
-        heads = qkv.view(q, hq + 2 * hkv, self.head_dim).transpose(0, 1)  # [Hq + 2 Hkv, q, D]
-        rotated = apply_rotary(heads[: hq + hkv], cos, sin)  # queries and keys at once
-        queries, keys, values = rotated[:hq], rotated[hq:], heads[hq + hkv :]
-        return block.out(attend(cache, layer, queries, keys, values, mask))  # [q, d]
+    @torch.inference_mode()
+    def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+        batch = BatchInputs.of(requests)
+        if batch is None:
+            return super().forward_batch(requests)
+        batch.kv.reserve(batch.positions)
+        mask = batch_attention_mask(requests, batch.q, batch.kv.key_count)  # [B, q, keys]
+        logits = self._run(batch.kv, batch.input_ids, batch.positions, mask, last_only=False)  # [B, q, V]
+        batch.kv.advance(batch.lengths)
+        return [logits[row, :length] for row, length in enumerate(batch.lengths)]
+
+    def _run(self, kv, input_ids, positions, mask, last_only: bool) -> torch.Tensor:
+        """[B, q] tokens at [B, q] positions -> [B, q or 1, V] float32 logits; kv holds the reserved slots."""
+        b, q = input_ids.shape
+        cos, sin = rotary(positions, self.inv_freq, self.dtype)  # [B, 1, q, D]
+        hidden = self.embed[input_ids.reshape(-1)]  # [B*q, d]: every matmul sees all rows at once
+        for layer, block in enumerate(self.blocks):
+            hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
+            hidden = hidden + self._mlp(block, hidden)
+        hidden = hidden.view(b, q, -1)
+        if last_only:
+            hidden = hidden[:, -1:]
+        logits = self.lm_head(rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
+        return logits.float().view(b, hidden.shape[1], -1)
+
+    def _attention(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:
+        hq, hkv = self.n_heads, self.n_kv_heads
+        qkv = block.qkv(rms_norm(hidden, block.attn_norm, self.eps))  # [B*q, (Hq + 2 Hkv) D]
+        heads = qkv.view(b, -1, hq + 2 * hkv, self.head_dim).transpose(1, 2)  # [B, Hq + 2 Hkv, q, D]
+        rotated = apply_rotary(heads[:, : hq + hkv], cos, sin)  # queries and keys at once
+        queries, keys, values = rotated[:, :hq], rotated[:, hq:], heads[:, hq + hkv :]
+        return block.out(attend(kv, layer, queries, keys, values, mask))  # [B*q, d]
 
     def _mlp(self, block: Block, hidden) -> torch.Tensor:
-        gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [q, I] each
-        return block.down(F.silu(gate) * up)  # [q, d]
+        gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B*q, I] each
+        return block.down(F.silu(gate) * up)  # [B*q, d]
 
 
 Model = LlamaModel
