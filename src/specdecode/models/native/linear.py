@@ -16,8 +16,8 @@ import torch.nn.functional as F
 QUANTS = ("none", "int8", "int4")
 GROUP = 32  # int4 group size (GGUF Q4_K's sub-block)
 # Most rows for which the packed kernel beats the dense de-quantized weights, measured on a 2-core AVX-512 EPYC
-# (benchmarks/results/*kernels*): int4 is ahead up to about 8 rows, int8 up to about 4.
-PACKED_ROWS = {"int4": 8, "int8": 4}
+# (benchmarks/kernels.py): int4 is ahead up to about 16 rows, int8 up to about 8.
+PACKED_ROWS = {"int4": 16, "int8": 8}
 
 
 class Linear:

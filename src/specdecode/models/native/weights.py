@@ -51,7 +51,9 @@ class PreparedWeights:
         if cache_file is not None and cache_file.exists():
             from safetensors.torch import load_file
 
-            self.cached = load_file(cache_file)
+            # copied out of the memory-mapped file: anonymous memory gets huge pages, which makes the matmuls that
+            # stream the weights ~1.7x faster than reading them through 4 KB file pages
+            self.cached = {name: t.clone() for name, t in load_file(cache_file).items()}
         self.prepared: dict[str, torch.Tensor] = {}
 
     def has(self, name: str) -> bool:
