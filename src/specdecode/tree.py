@@ -97,11 +97,18 @@ def path_to(parents: list[int], node: int) -> list[int]:
 
 def from_sequences(sequences: list[list[int]]) -> Draft:
     """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
+    return trie(sequences)[0]
+
+
+def trie(sequences: list[list[int]]) -> tuple[Draft, list[list[int]]]:
+    """from_sequences, plus the node index of every token of every sequence (for drafters that read the
+    target's logits at particular nodes after verification)."""
     tokens: list[int] = []
     parents: list[int] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    nodes: list[list[int]] = []
     for seq in sequences:
-        parent = -1
+        parent, path = -1, []
         for tok in seq:
             key = (parent, tok)
             if key not in index:
@@ -109,4 +116,7 @@ def from_sequences(sequences: list[list[int]]) -> Draft:
                 tokens.append(tok)
                 parents.append(parent)
             parent = index[key]
-    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+            path.append(parent)
+        nodes.append(path)
+    draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    return draft, nodes
