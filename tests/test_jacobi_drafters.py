@@ -1,5 +1,6 @@
-"""Bookkeeping of the Jacobi-window drafters (lookahead, jacobi): tree layout, window shifts, n-gram harvest,
-the maximal coupling, and sampling exactness at later steps (where the coupled guesses are drafted)."""
+"""Bookkeeping of the drafters that read the target's logits at their own nodes (lookahead, jacobi, esp): tree
+layout, window shifts, n-gram harvest, the maximal coupling, probe nodes, and sampling exactness at later steps
+(whose drafts were built from earlier target logits)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pytest
 import torch
 
 from specdecode.drafters import build_drafter
+from specdecode.drafters.esp import best_paths
 from specdecode.drafters.jacobi import coupled_draw
 from specdecode.engine import generate
-from specdecode.models.base import prefill
+from specdecode.models.base import forward_tree, prefill
 from specdecode.sampling import SamplingParams, probs_from_logits
-from specdecode.tree import depths, trie
-from specdecode.verify import Verdict
+from specdecode.tree import PROBE, Draft, depths, trie
+from specdecode.verify import GreedyVerifier, RejectionVerifier, Verdict
 
 from conftest import tiny_model
-from test_sampling_distribution import tv, tv_bound
+from test_sampling_distribution import EXACT, joint_counts, tv, tv_bound
 
 V = 50
 FAKE_TARGET = SimpleNamespace(eos_token_ids=frozenset({49}), vocab_size=V)
@@ -115,8 +117,36 @@ def test_maximal_coupling_samples_the_target_and_keeps_the_old_guess_when_it_can
     assert kept / n == pytest.approx(1 - 0.5 * float((draft_row - target_probs).abs().sum()), abs=0.02)
 
 
-@pytest.mark.parametrize("name", ["jacobi", "lookahead"])
-def test_later_steps_sample_exactly(name):
+def test_esp_tree_keeps_the_best_paths_of_the_probes_guesses():
+    depth_logits = torch.tensor([[3.0, 2.0, 0.0], [0.0, 3.0, 2.5]]).log_softmax(-1)  # [D=2, V=3]
+    assert best_paths(depth_logits, topk=2, budget=3) == [[0], [1], [0, 1]]
+    assert best_paths(torch.zeros(0), topk=2, budget=3) == []
+
+
+def test_a_probe_is_never_accepted_and_leaves_sampling_exact():
+    probe_first = Draft(torch.tensor([PROBE, 0, 3, 2]), torch.tensor([-1, -1, 1, 0]))
+    logits = torch.zeros(5, 5)
+    logits[0, 0] = logits[1, 0] = 10.0
+    assert GreedyVerifier().verify(probe_first, logits, GREEDY, None).accepted == [1]
+    n = 20000
+    assert tv(joint_counts(lambda gen: probe_first, RejectionVerifier(), n), EXACT) < tv_bound(25, n)
+
+
+def test_a_probe_with_a_tokens_embedding_reads_like_that_token():
+    target = tiny_model("qwen2", seed=3)
+    prompt = [5, 6, 7]
+    cache = target.new_cache(16)
+    prefill(target, cache, prompt)
+    as_token = forward_tree(target, cache, 8, Draft.chain([9, 10]))
+    cache.discard()
+    probe = Draft(torch.tensor([9, PROBE]), torch.tensor([-1, 0]), probe_embedding=target.embed(torch.tensor([10]))[0])
+    assert torch.allclose(forward_tree(target, cache, 8, probe), as_token, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name,options", [("jacobi", {"window": 3}), ("lookahead", {"window": 3}), ("esp", {"probes": 3, "budget": 4})]
+)
+def test_later_steps_sample_exactly(name, options):
     """Tokens 3 and 4 come from steps whose drafts were built from earlier target logits (coupled guesses)."""
     vocab = 6
     target = tiny_model("llama", seed=5, vocab=vocab, layers=1, hidden=16, initializer_range=0.6)
@@ -131,7 +161,7 @@ def test_later_steps_sample_exactly(name):
         for t1, p1 in enumerate(next_probs([t0]).tolist()):
             for t2, p2 in enumerate(next_probs([t0, t1]).tolist()):
                 exact[t2] += p0 * p1 * p2 * next_probs([t0, t1, t2])
-    drafter = build_drafter(name, target, window=3)
+    drafter = build_drafter(name, target, **options)
     n = 3000
     counts = torch.zeros(vocab, vocab)
     for seed in range(n):

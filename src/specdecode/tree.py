@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+PROBE = -1  # the token of a probe node: the target reads its logits, no verifier ever accepts it
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -19,6 +21,8 @@ class Draft:
     # [N, V] float32: the distribution node i was sampled from, given its parent and its earlier-tried siblings.
     # None for deterministic drafts (n-gram lookup, top-k trees): verification then uses q = 1 for the drafted token.
     draft_probs: torch.Tensor | None = None
+    # [H]: the input embedding of every PROBE node (probing the target in embedding space, as ESP does).
+    probe_embedding: torch.Tensor | None = None
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -51,7 +55,7 @@ class Draft:
         new_index[kept + 1] = torch.arange(kept.shape[0])
         parents = new_index[self.parents[kept] + 1]
         probs = None if self.draft_probs is None else self.draft_probs[kept]
-        return Draft(self.tokens[kept], parents, probs)
+        return Draft(self.tokens[kept], parents, probs, self.probe_embedding)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

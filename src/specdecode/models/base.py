@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..cache import KVCache
+from ..errors import SpecDecodeError
 from ..tree import Draft, ancestor_mask, depths, with_root
 
 
@@ -31,8 +32,13 @@ class CausalLM(ABC):
         positions: torch.Tensor,  # [q]
         tree_mask: torch.Tensor,  # [q, cache.pending + q] bool: what each new token sees of the uncommitted part
         last_only: bool = False,
+        probe_embedding: torch.Tensor | None = None,  # [H]: the input of every position whose id is PROBE
     ) -> torch.Tensor:  # [q, V] float32 logits ([1, V] with last_only); the q entries stay uncommitted
         ...
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[q] ids -> [q, H] input embeddings, for drafters that probe in embedding space."""
+        raise SpecDecodeError(f"{self.name} does not expose its input embeddings.", "Pick another drafter.")
 
 
 def prefill(model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -53,7 +59,7 @@ def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft)
     parents = with_root(draft.parents)  # [N+1]
     ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
     positions = cache.length + depths(parents) - 1  # [N+1], root at the next free position
-    return model.forward(cache, ids, positions, ancestor_mask(parents))
+    return model.forward(cache, ids, positions, ancestor_mask(parents), probe_embedding=draft.probe_embedding)
 
 
 def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:

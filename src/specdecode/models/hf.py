@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import KVCache
+from ..tree import PROBE
 from .base import CausalLM, attention_mask
 
 
@@ -49,12 +50,17 @@ class HFModel(CausalLM):
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False):
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
         q = input_ids.shape[0]
         cache.reserve(positions)
         masks = {kind: self._additive(cache, q, tree_mask, kind) for kind in self.layer_types}
+        inputs = {"input_ids": input_ids[None]}
+        if probe_embedding is not None:
+            embeds = self.embed(input_ids.clamp(min=0))  # [q, H]
+            embeds[input_ids == PROBE] = probe_embedding.to(embeds.dtype)
+            inputs = {"inputs_embeds": embeds[None]}
         out = self.model(
-            input_ids=input_ids[None],
+            **inputs,
             position_ids=positions[None],
             attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),
             cache=_CacheView(cache, self.n_layers),
@@ -63,6 +69,10 @@ class HFModel(CausalLM):
         )
         cache.advance(q)
         return out.logits[0].float()  # [q or 1, V]
+
+    @torch.inference_mode()
+    def embed(self, token_ids):
+        return self.model.get_input_embeddings()(token_ids)  # [q, H], scaled as the model scales them
 
     def _additive(self, cache: KVCache, q: int, tree_mask: torch.Tensor, kind: str) -> torch.Tensor:
         window = self.sliding_window if kind == "sliding_attention" else None
