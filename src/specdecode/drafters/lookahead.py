@@ -29,9 +29,9 @@ from .ngram_table import NgramTable
 
 @register("lookahead")
 class LookaheadDrafter(Drafter):
-    variants = ({}, {"window": 3, "level": 3, "guess": 1}, {"window": 5, "level": 2, "guess": 3})
+    variants = ({}, {"window": 4, "level": 4, "guess": 2}, {"window": 5, "level": 2, "guess": 3})
 
-    def __init__(self, target, window: int = 4, level: int = 4, guess: int = 2, pool_from_context: bool = True):
+    def __init__(self, target, window: int = 5, level: int = 3, guess: int = 3, pool_from_context: bool = True):
         if window < 2 or level < 2 or guess < 0:
             raise TypeError("need window >= 2, level >= 2 and guess >= 0")
         self.window, self.level, self.guess = window, level, guess
