@@ -91,7 +91,7 @@ def _native_tensors(model) -> list[torch.Tensor]:
     assert model.quant == "none", "perturb a dense native model"
     linears = [model.lm_head] + [getattr(b, f) for b in model.blocks for f in ("qkv", "out", "gate_up", "down")]
     norms = [model.norm] + [n for b in model.blocks for n in (b.attn_norm, b.mlp_norm)]
-    return [model.embed] + norms + [lin.dense for lin in linears]
+    return [model.embedding] + norms + [lin.dense for lin in linears]
 
 
 def native_twin(model: HFModel, quant: str = "none"):

@@ -46,7 +46,7 @@ def test_forward_batch_equals_each_request_alone(target, monkeypatch):
     for cache in pooled:
         pool.adopt(cache)
     forward, calls = target.forward, []
-    monkeypatch.setattr(target, "forward", lambda *args: calls.append(args) or forward(*args))
+    monkeypatch.setattr(target, "forward", lambda *args, **kw: calls.append(args) or forward(*args, **kw))
     for step, drafts in enumerate([DRAFTS, DRAFTS[::-1]]):  # two steps: the second reads the first's commits
         roots = [p[-1] + step for p in PROMPTS]
         expected = [tree_request(c, r, d).run(target) for c, r, d in zip(alone, roots, drafts)]

@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import torch
 
+PROBE = -1  # the token of a probe node: the target reads its logits, no verifier ever accepts it
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -20,6 +22,8 @@ class Draft:
     # [N, V] float32: the distribution node i was sampled from, given its parent and its earlier-tried siblings.
     # None for deterministic drafts (n-gram lookup, top-k trees): verification then uses q = 1 for the drafted token.
     draft_probs: torch.Tensor | None = None
+    # [H]: the input embedding of every PROBE node (probing the target in embedding space, as ESP does).
+    probe_embedding: torch.Tensor | None = None
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -53,7 +57,7 @@ class Draft:
         new_index[nodes + 1] = torch.arange(nodes.shape[0])
         parents = new_index[self.parents[nodes] + 1]
         probs = None if self.draft_probs is None else self.draft_probs[nodes]
-        return Draft(self.tokens[nodes], parents, probs)
+        return Draft(self.tokens[nodes], parents, probs, self.probe_embedding)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
@@ -97,15 +101,27 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def trie(sequences: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
-    """Merge token sequences that share prefixes. Nodes in creation order (parents first): each node's token, its
-    parent (-1 = root) and how many sequences pass through it."""
+@dataclass
+class Trie:
+    """Token sequences merged where they share prefixes. Nodes in creation order (parents first)."""
+
+    tokens: list[int]
+    parents: list[int]  # -1 = root
+    counts: list[int]  # how many sequences pass through each node
+    paths: list[list[int]]  # the node index of every token of every sequence
+
+    def draft(self) -> Draft:
+        return Draft(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long))
+
+
+def trie(sequences: list[list[int]]) -> Trie:
     tokens: list[int] = []
     parents: list[int] = []
     counts: list[int] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    nodes: list[list[int]] = []
     for seq in sequences:
-        parent = -1
+        parent, path = -1, []
         for tok in seq:
             key = (parent, tok)
             if key not in index:
@@ -115,13 +131,14 @@ def trie(sequences: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
                 counts.append(0)
             parent = index[key]
             counts[parent] += 1
-    return tokens, parents, counts
+            path.append(parent)
+        nodes.append(path)
+    return Trie(tokens, parents, counts, nodes)
 
 
 def from_sequences(sequences: list[list[int]]) -> Draft:
     """A deterministic draft tree (a trie) that merges token sequences sharing prefixes."""
-    tokens, parents, _ = trie(sequences)
-    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    return trie(sequences).draft()
 
 
 def sequoia_tree(budget: int, depth: int, accept: tuple[float, ...]) -> tuple[float, list[int]]:

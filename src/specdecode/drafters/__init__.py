@@ -1,6 +1,8 @@
 """Drafters: importing this package registers every method (one module each)."""
 
-from . import draft_model, goose, hierarchy, none, pld, suffix, token_recycling  # noqa: F401  (registration side effect)
+from . import (  # noqa: F401  (registration side effect)
+    draft_model, esp, goose, hierarchy, jacobi, lookahead, none, pld, suffix, token_recycling,
+)
 from .base import DRAFTERS, Drafter, build_drafter, register
 
 __all__ = ["DRAFTERS", "Drafter", "build_drafter", "register"]

@@ -80,10 +80,11 @@ class NgramTable:
         self.indexed = max(self.indexed, last_start + 1)
 
     def add_sequence(self, tokens: list[int]) -> None:
-        """Index a finished sequence (a document, an earlier answer) in full."""
-        self.indexed = 0
+        """Index a finished sequence (a document, an earlier answer, a harvested n-gram) in full; the
+        incremental indexing of the sequence `extend` follows is left where it was."""
+        indexed, self.indexed = self.indexed, 0
         self.extend(tokens)
-        self.indexed = 0
+        self.indexed = indexed
 
     def lookup(self, context: list[int], limit: int) -> list[list[int]]:
         """Up to `limit` continuations of the context's end, most specific key and most recent first."""

@@ -104,7 +104,8 @@ def speculation_tree(continuations: list[list[int]], budget: int, min_prob: floa
     """The `budget` most frequent nodes of the continuations' trie whose share of the continuations is at least
     min_prob, most frequent first (ties: the earlier listed continuation). A child is never more frequent than its
     parent and comes later in the trie, so parents rank first and the kept nodes form a tree."""
-    tokens, parents, counts = trie(continuations)
+    merged = trie(continuations)
+    tokens, parents, counts = merged.tokens, merged.parents, merged.counts
     ranked = sorted(range(len(tokens)), key=lambda node: (-counts[node], node))[:budget]
     kept = [node for node in ranked if counts[node] >= min_prob * len(continuations)]
     draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

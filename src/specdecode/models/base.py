@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVBatch, KVCache
-from ..tree import Draft, ancestor_mask, depths, with_root
+from ..errors import SpecDecodeError
+from ..tree import PROBE, Draft, ancestor_mask, depths, with_root
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,12 @@ class ForwardRequest:
     input_ids: torch.Tensor  # [q]
     positions: torch.Tensor  # [q]
     tree_mask: torch.Tensor  # [q, cache.pending + q] bool
+    probe_embedding: torch.Tensor | None = None  # [H]: the input at PROBE tokens (see tree.PROBE)
 
     def run(self, model: "CausalLM") -> torch.Tensor:  # [q, V] float32 logits, uncommitted
-        return model.forward(self.cache, self.input_ids, self.positions, self.tree_mask)
+        return model.forward(
+            self.cache, self.input_ids, self.positions, self.tree_mask, probe_embedding=self.probe_embedding
+        )
 
 
 class CausalLM(ABC):
@@ -46,6 +50,7 @@ class CausalLM(ABC):
         positions: torch.Tensor,  # [q]
         tree_mask: torch.Tensor,  # [q, cache.pending + q] bool: what each new token sees of the uncommitted part
         last_only: bool = False,
+        probe_embedding: torch.Tensor | None = None,  # [H]: the input of every position whose id is PROBE
     ) -> torch.Tensor:  # [q, V] float32 logits ([1, V] with last_only); the q entries stay uncommitted
         ...
 
@@ -53,6 +58,10 @@ class CausalLM(ABC):
         """Several requests' forwards (each its own cache); the [q_i, V] logits of each. This default runs them one
         by one; a backend that can batch overrides it."""
         return [request.run(self) for request in requests]
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[q] ids -> [q, H] input embeddings, for drafters that probe in embedding space."""
+        raise SpecDecodeError(f"{self.name} does not expose its input embeddings.", "Pick another drafter.")
 
 
 def prefill(model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -74,7 +83,7 @@ def tree_request(cache: KVCache, root_token: int, draft: Draft) -> ForwardReques
     parents = with_root(draft.parents)  # [N+1]
     ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
     positions = cache.length + depths(parents) - 1  # [N+1], root at the next free position
-    return ForwardRequest(cache, ids, positions, ancestor_mask(parents))
+    return ForwardRequest(cache, ids, positions, ancestor_mask(parents), draft.probe_embedding)
 
 
 def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft) -> torch.Tensor:
@@ -104,6 +113,7 @@ class BatchInputs:
     positions: torch.Tensor  # [B, q], padded with each row's last position
     lengths: list[int]  # each request's own q
     q: int
+    probe_embeddings: list[torch.Tensor | None]  # each request's input at its PROBE tokens
 
     @classmethod
     def of(cls, requests: list[ForwardRequest]) -> "BatchInputs | None":
@@ -120,7 +130,16 @@ class BatchInputs:
             input_ids[row, : lengths[row]] = request.input_ids
             positions[row] = request.positions[-1]
             positions[row, : lengths[row]] = request.positions
-        return cls(kv, input_ids, positions, lengths, q)
+        return cls(kv, input_ids, positions, lengths, q, [request.probe_embedding for request in requests])
+
+
+def place_probes(embeddings: torch.Tensor, input_ids: torch.Tensor, probes: list[torch.Tensor | None]) -> torch.Tensor:
+    """[B, q, H] input embeddings with row b's PROBE tokens replaced by probes[b] (drafters that probe in
+    embedding space; see tree.PROBE)."""
+    for row, probe in enumerate(probes):
+        if probe is not None:
+            embeddings[row, input_ids[row] == PROBE] = probe.to(embeddings.dtype)
+    return embeddings
 
 
 def batch_attention_mask(

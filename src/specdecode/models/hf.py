@@ -9,7 +9,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import KVBatch, KVCache
-from .base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids
+from .base import (
+    BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids, place_probes,
+)
 
 
 class _CacheView(Cache):
@@ -52,12 +54,13 @@ class HFModel(CausalLM):
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False):
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
         q = input_ids.shape[0]
         cache.reserve(positions)
         masks = {kind: self._additive(attention_mask(cache, q, tree_mask, self._window(kind)))[None, None]
                  for kind in self.layer_types}  # [1, 1, q, end+q] each
-        logits = self._run(input_ids[None], positions[None], masks, _CacheView(cache, self.n_layers), last_only)
+        view = _CacheView(cache, self.n_layers)
+        logits = self._run(input_ids[None], positions[None], masks, view, last_only, [probe_embedding])
         cache.advance(q)
         return logits[0]  # [q or 1, V]
 
@@ -70,14 +73,18 @@ class HFModel(CausalLM):
         kv.reserve(positions)
         masks = {kind: self._additive(batch_attention_mask(requests, q, kv.key_count, self._window(kind)))[:, None]
                  for kind in self.layer_types}  # [B, 1, q, key_count] each
-        logits = self._run(input_ids, positions, masks, _CacheView(kv, self.n_layers), last_only=False)  # [B, q, V]
+        view = _CacheView(kv, self.n_layers)
+        logits = self._run(input_ids, positions, masks, view, False, batch.probe_embeddings)  # [B, q, V]
         kv.advance(lengths)
         return [logits[row, :length] for row, length in enumerate(lengths)]
 
-    def _run(self, input_ids, positions, masks: dict, cache: _CacheView, last_only: bool) -> torch.Tensor:
+    def _run(self, input_ids, positions, masks: dict, cache: _CacheView, last_only: bool, probes) -> torch.Tensor:
         """[B, q or 1, V] float32 logits of one transformers forward."""
+        inputs = {"input_ids": input_ids}
+        if any(probe is not None for probe in probes):
+            inputs = {"inputs_embeds": place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes)}
         out = self.model(
-            input_ids=input_ids,
+            **inputs,
             position_ids=positions,
             attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),
             cache=cache,
@@ -88,6 +95,10 @@ class HFModel(CausalLM):
 
     def _window(self, kind: str) -> int | None:
         return self.sliding_window if kind == "sliding_attention" else None
+
+    @torch.inference_mode()
+    def embed(self, token_ids):
+        return self.model.get_input_embeddings()(token_ids)  # [..., H], scaled as the model scales them
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A bool mask as the additive float mask transformers takes: 0 where allowed, the dtype's minimum elsewhere."""

@@ -11,7 +11,7 @@ from .base import Verdict, Verifier, verdict
 
 class GreedyVerifier(Verifier):
     def verify(self, draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
-        target_argmax = target_logits.argmax(-1).tolist()  # [N+1]
+        target_argmax = target_logits.argmax(-1).tolist()  # [N+1]; a PROBE node (token -1) never matches
         kids = children(with_root(draft.parents))  # over [root, nodes...]
         tokens = [None] + draft.tokens.tolist()
         node, accepted = 0, []

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, probs_from_logits, sample
-from ..tree import Draft, children, with_root
+from ..tree import PROBE, Draft, children, with_root
 from .base import Verdict, Verifier, verdict
 
 
@@ -38,6 +38,8 @@ class RejectionVerifier(Verifier):
         while True:
             for child in kids[node]:
                 token = tokens[child]
+                if token == PROBE:
+                    continue
                 q_row = None if draft.draft_probs is None else draft.draft_probs[child - 1]
                 q_tok = 1.0 if q_row is None else float(q_row[token])
                 p_tok = float(target_probs[token])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...cache import KVCache
-from ..base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask
+from ..base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, place_probes
 from .linear import Linear
 from .weights import PreparedWeights
 from .ops import apply_rotary, attend, inverse_frequencies, rms_norm, rotary
@@ -41,8 +41,8 @@ class LlamaModel(CausalLM):
         # tied weights are saved once, under either name
         embed = "model.embed_tokens.weight" if weights.has("model.embed_tokens.weight") else "lm_head.weight"
         head = "lm_head.weight" if weights.has("lm_head.weight") else embed
-        self.embed = weights.tensor(embed)  # [V, d]
-        self.vocab_size = self.embed.shape[0]
+        self.embedding = weights.tensor(embed)  # [V, d]
+        self.vocab_size = self.embedding.shape[0]
         self.blocks = [
             self._block(weights, f"model.layers.{i}.")
             for i in tqdm(range(self.n_layers), desc=f"{name} ({self.quant})", unit="layer", leave=False)
@@ -66,12 +66,16 @@ class LlamaModel(CausalLM):
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False):
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
+        return self.embedding[token_ids]
+
+    @torch.inference_mode()
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
         q = input_ids.shape[0]
         cache.reserve(positions)
         # one new token with nothing uncommitted before it sees everything: no mask
         mask = None if q == 1 and cache.pending == 0 else attention_mask(cache, q, tree_mask)[None]  # [1, q, end+q]
-        logits = self._run(cache, input_ids[None], positions[None], mask, last_only)  # [1, q or 1, V]
+        logits = self._run(cache, input_ids[None], positions[None], mask, last_only, [probe_embedding])  # [1, q|1, V]
         cache.advance(q)
         return logits[0]
 
@@ -82,15 +86,18 @@ class LlamaModel(CausalLM):
             return super().forward_batch(requests)
         batch.kv.reserve(batch.positions)
         mask = batch_attention_mask(requests, batch.q, batch.kv.key_count)  # [B, q, keys]
-        logits = self._run(batch.kv, batch.input_ids, batch.positions, mask, last_only=False)  # [B, q, V]
+        logits = self._run(batch.kv, batch.input_ids, batch.positions, mask, False, batch.probe_embeddings)
         batch.kv.advance(batch.lengths)
         return [logits[row, :length] for row, length in enumerate(batch.lengths)]
 
-    def _run(self, kv, input_ids, positions, mask, last_only: bool) -> torch.Tensor:
+    def _run(self, kv, input_ids, positions, mask, last_only: bool, probes) -> torch.Tensor:
         """[B, q] tokens at [B, q] positions -> [B, q or 1, V] float32 logits; kv holds the reserved slots."""
         b, q = input_ids.shape
         cos, sin = rotary(positions, self.inv_freq, self.dtype)  # [B, 1, q, D]
-        hidden = self.embed[input_ids.reshape(-1)]  # [B*q, d]: every matmul sees all rows at once
+        if any(probe is not None for probe in probes):
+            hidden = place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes).view(b * q, -1)
+        else:
+            hidden = self.embed(input_ids.reshape(-1))  # [B*q, d]: every matmul sees all rows at once
         for layer, block in enumerate(self.blocks):
             hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
             hidden = hidden + self._mlp(block, hidden)
