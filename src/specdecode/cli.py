@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="measure this machine and pick each drafter's options (saved as defaults)")
     tune.add_argument("--model", required=True)
     tune.add_argument("--draft-model", help="draft model for model-based drafters (skipped without one)")
-    tune.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_weights_args(tune)
     tune.add_argument("--drafters", help="comma-separated drafters to tune (default: every registered one)")
     tune.add_argument("--prompts", type=int, default=0, help="tuning prompts to use (0 = all shipped ones)")
     tune.add_argument("--max-new-tokens", type=int, default=48, help="tokens per tuning prompt and option set")
@@ -316,8 +316,8 @@ def cmd_tune(args) -> int:
         raise SpecDecodeError(
             "no drafter to tune.", "Name drafters with --drafters (and pass --draft-model for model drafters)."
         )
-    target = load_model(args.model, args.dtype)
-    draft_model = load_model(args.draft_model, args.dtype) if args.draft_model else None
+    target = load_model(args.model, args.dtype, args.backend, args.quant)
+    draft_model = load_model(args.draft_model, args.dtype, args.backend, args.quant) if args.draft_model else None
     profile = run_tune(target, names, tune_prompts(target.tokenizer, args.prompts), draft_model,
                        args.max_new_tokens, args.max_tokens, args.repeats)
     for name, entry in profile["drafters"].items():
