@@ -41,11 +41,14 @@ class SpecDecoder:
         dtype: str = "bfloat16",
         backend: str = "auto",
         quant: str = "none",
+        draft_quant: str | None = None,  # the draft model's weights (default: quant); the output does not depend on it
         **drafter_options,
     ):
         self.target = load_model(model, dtype, backend, quant)
         self.drafter_name = drafter
-        self.draft_model = None if draft_model is None else load_model(draft_model, dtype, backend, quant)
+        self.draft_model = None if draft_model is None else load_model(
+            draft_model, dtype, backend, quant if draft_quant is None else draft_quant
+        )
         self.drafter_options = drafter_options
         self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer

@@ -142,6 +142,10 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
         "--quant", default="none", choices=["none", "int8", "int4"],
         help="weight-only quantization of target and draft model (native backend; none = --dtype weights)",
     )
+    parser.add_argument(
+        "--draft-quant", choices=["none", "int8", "int4"],
+        help="the draft model's own weights (default: --quant); only speed depends on it, never the output",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +179,8 @@ def decoder_from_args(args):
     options = parse_options(args.drafter_option)
     check_drafter_name(args.drafter)  # before the slow model load
     return SpecDecoder(
-        args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant, **options
+        args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant,
+        draft_quant=args.draft_quant, **options
     )
 
 
@@ -262,7 +267,7 @@ def cmd_bench(args) -> int:
     config = BenchConfig(
         model=args.model, methods=methods, question_ids=[q.question_id for q in questions], groups=groups,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, backend=args.backend, quant=args.quant,
-        repeats=args.repeats, command=command_line(),
+        draft_quant=args.draft_quant, repeats=args.repeats, command=command_line(),
         **{k: v for k, v in sampling.items() if k != "seed"}, seed=sampling["seed"] or 0,
     )
     records = run_bench(config, questions, args.out)
@@ -317,7 +322,8 @@ def cmd_tune(args) -> int:
             "no drafter to tune.", "Name drafters with --drafters (and pass --draft-model for model drafters)."
         )
     target = load_model(args.model, args.dtype, args.backend, args.quant)
-    draft_model = load_model(args.draft_model, args.dtype, args.backend, args.quant) if args.draft_model else None
+    draft_quant = args.quant if args.draft_quant is None else args.draft_quant
+    draft_model = load_model(args.draft_model, args.dtype, args.backend, draft_quant) if args.draft_model else None
     profile = run_tune(target, names, tune_prompts(target.tokenizer, args.prompts), draft_model,
                        args.max_new_tokens, args.max_tokens, args.repeats)
     for name, entry in profile["drafters"].items():

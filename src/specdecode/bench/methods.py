@@ -113,7 +113,7 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
             "llama.cpp-pld.",
         )
     options = parse_options(option_pairs)
-    draft = load(draft_model, weights or None) if draft_model else None
+    draft = load(draft_model, weights or None, draft=True) if draft_model else None
     drafter = build_drafter(name, target, draft_model=draft, **options)
     return EngineMethod(spec, target, drafter)
 

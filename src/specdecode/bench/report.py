@@ -27,8 +27,8 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -
     sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
     llama_cpp = any(m.startswith("llama.cpp") for m in config.methods)
     lines = [
-        f"# specdecode bench: {config.model}, {config.dtype}, backend {config.backend}, weights {config.quant}, "
-        f"{sampling}",
+        f"# specdecode bench: {config.model}, {config.dtype}, backend {config.backend}, weights {config.quant}"
+        + (f" (draft models {config.draft_quant})" if config.draft_quant else "") + f", {sampling}",
         "",
         f"- Date: {when}",
         f"- Machine: {machine['cpu']}, {machine['threads']} threads; {machine['platform']}; "

@@ -38,6 +38,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     backend: str = "auto"
     quant: str = "none"
+    draft_quant: str | None = None  # draft models' weights (default: quant)
     repeats: int = 1
     command: str = field(default="", compare=False)
 
@@ -81,9 +82,11 @@ def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> 
     check_load_options(config.dtype, config.backend, config.quant)
     loaded: dict[tuple, object] = {}
 
-    def load(spec: str, weights: str | None = None):
+    def load(spec: str, weights: str | None = None, draft: bool = False):
         """A model on the run's backend and quant, or on `weights` ('hf', 'native', 'native-int4', ...)."""
         backend, quant = (config.backend, config.quant) if weights is None else parse_weights(weights)
+        if draft and config.draft_quant is not None:
+            quant = config.draft_quant
         key = (spec, backend, quant)
         if key not in loaded:
             loaded[key] = load_model(spec, config.dtype, backend, quant)
