@@ -35,11 +35,11 @@ def from_transformers(model, tokenizer, name: str, quant: str = "none"):
 
 def load(folder: Path, tokenizer, name: str, dtype, quant: str):
     """A native model from a transformers folder (config.json + *.safetensors), or None if its family has no
-    native file."""
+    native file or its weights are not in safetensors files."""
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder).get_text_config(decoder=True)
-    if not supported(config):
+    if not supported(config) or not any(Path(folder).glob("*.safetensors")):
         return None
     try:
         generation = GenerationConfig.from_pretrained(folder)
