@@ -12,4 +12,4 @@ run --drafter draft --draft-model qwen2.5-coder-0.5b-instruct --draft-quant int4
 echo "=== suffix (training-free retrieval), next to plain decoding ==="
 run --drafter suffix --compare
 echo "=== the native int4 fast path: plain decoding of int4 weights ==="
-run --quant int4 --json | .venv/bin/python -c 'import json,sys; r=json.load(sys.stdin); print(f"{r[\"new_tokens\"]} tokens, {r[\"tokens_per_second\"]:.1f} tokens/s end to end (int4 weights)")'
+run --quant int4 --json | .venv/bin/python -c 'import json, sys; r = json.load(sys.stdin); print(r["new_tokens"], "tokens at", round(r["tokens_per_second"], 1), "tokens/s end to end (int4 weights, plain decoding)")'
