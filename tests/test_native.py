@@ -45,8 +45,7 @@ def test_native_sees_the_tree_mask():
     native = native_twin(hf)
     cache = native.new_cache(64)
     prefill(native, cache, PROMPT)
-    root, parents = torch.tensor([11]), TREE.parents
-    ids = torch.cat([root, TREE.tokens])
+    ids = torch.cat([torch.tensor([11]), TREE.tokens])
     positions = torch.tensor([10, 11, 12, 11, 12, 12])
     everything = torch.ones(6, 6, dtype=torch.bool).tril()
     wrong = native.forward(cache, ids, positions, everything)

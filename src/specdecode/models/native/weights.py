@@ -47,13 +47,15 @@ class PreparedWeights:
 
     def __init__(self, raw: Mapping[str, torch.Tensor], quant: str, dtype: torch.dtype, cache_file: Path | None):
         self.raw, self.quant, self.dtype, self.cache_file = raw, quant, dtype, cache_file
-        self.cached: dict[str, torch.Tensor] = {}
+        self.cached: dict[str, dict[str, torch.Tensor]] = {}  # key -> its prepared tensors
         if cache_file is not None and cache_file.exists():
             from safetensors.torch import load_file
 
             # copied out of the memory-mapped file: anonymous memory gets huge pages, which makes the matmuls that
             # stream the weights ~1.7x faster than reading them through 4 KB file pages
-            self.cached = {name: t.clone() for name, t in load_file(cache_file).items()}
+            for name, tensor in load_file(cache_file).items():
+                key, _, part = name.rpartition("/")
+                self.cached.setdefault(key, {})[part] = tensor.clone()
         self.prepared: dict[str, torch.Tensor] = {}
 
     def has(self, name: str) -> bool:
@@ -73,11 +75,10 @@ class PreparedWeights:
         return Linear(self._cached_or(key, make), self.quant)
 
     def _cached_or(self, key: str, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        prefix = key + "/"
-        tensors = {name[len(prefix) :]: t for name, t in self.cached.items() if name.startswith(prefix)}
-        if not tensors:
+        tensors = self.cached.get(key)
+        if tensors is None:
             tensors = make()
-            self.prepared.update({prefix + name: t for name, t in tensors.items()})
+            self.prepared.update({f"{key}/{name}": t for name, t in tensors.items()})
         return tensors
 
     def save(self) -> None:
@@ -88,7 +89,8 @@ class PreparedWeights:
 
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = self.cache_file.with_suffix(".partial")
-        save_file({**self.cached, **self.prepared}, partial)
+        cached = {f"{key}/{name}": t for key, tensors in self.cached.items() for name, t in tensors.items()}
+        save_file({**cached, **self.prepared}, partial)
         os.replace(partial, self.cache_file)
 
 
