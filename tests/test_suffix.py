@@ -118,3 +118,19 @@ def test_bad_jsonl_corpus(tmp_path):
     lines.write_text('{"text": "1 2"}\nnot json\n')
     with pytest.raises(SpecDecodeError, match="line 2 of corpus"):
         build_drafter("suffix", FakeTarget(), corpus=str(lines))
+
+
+def test_draft_model_hands_long_matches_to_the_suffix_tree():
+    from conftest import perturbed_copy, tiny_model
+
+    target = tiny_model("llama", seed=1)
+    drafter = build_drafter("draft", target, draft_model=perturbed_copy(target, scale=0.1, seed=2), topk=1, depth=3,
+                            lookup=3, lookup_nodes=5, profile="none")
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
+    drafter.start(context, 64)
+    draft = drafter.propose(context, SamplingParams(), None)
+    assert drafter.looked_up and draft.tokens.tolist() == [8, 9, 10, 11, 12]  # what followed "5 6 7"
+    assert drafter.cache.length == 0  # the draft model did not run
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 9]  # "6 7 9" never occurred: the draft model drafts
+    draft = drafter.propose(context, SamplingParams(), None)
+    assert not drafter.looked_up and len(draft) == 3 and drafter.cache.length == len(context)

@@ -123,6 +123,10 @@ def test_tune_writes_a_profile_that_build_drafter_applies(tiny_pair, tmp_path, m
     assert build_drafter("draft", target, draft_model=other).structure == "eagle2"
     with pytest.raises(SpecDecodeError, match="profile"):
         build_drafter("pld", target, profile="sometimes")
+    # Tuning one drafter again keeps the others' saved choices.
+    save_profile(target, dict(profile, drafters={"pld": dict(profile["drafters"]["pld"], options={"k": 2})}))
+    assert build_drafter("pld", target).k == 2
+    assert build_drafter("draft", target, draft_model=draft_model).budget == 5
 
 
 @pytest.mark.parametrize(

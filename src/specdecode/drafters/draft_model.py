@@ -24,6 +24,12 @@ The tree's shape is the option `structure`; one draft forward per level, over th
 
 The option `length` (fixed | heuristic | confidence | thompson, see draft_length.py) decides, level by level,
 whether to grow deeper; `depth` is its cap. Greedy trees carry draft_probs None.
+
+The option `lookup` (SuffixDecoding's hybrid, Oliaro et al., 2024): when the context's last `lookup` or more
+tokens occurred before (in this request or earlier outputs, suffix.py), that match's speculation tree (up to
+`lookup_nodes` nodes) is sent instead and the draft model does not run this step; it catches up on the skipped
+tokens at its next proposal. Copy-heavy text (summaries, retrieval answers, code edits) is then drafted for free
+and further ahead than the draft model's depth. 0 (the default) turns it off.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..sampling import SamplingParams, probs_from_logits
 from ..tree import Draft, depths, sequoia_tree
 from .base import Drafter, register
 from .draft_length import draft_length
+from .suffix import SuffixDrafter
 
 STRUCTURES = ("eagle2", "opt", "sequoia")
 
@@ -51,23 +58,27 @@ class DraftModelDrafter(Drafter):
         {"structure": "opt", "budget": 6, "depth": 5, "min_gain": 0.05, "length": "heuristic"},
         {"structure": "sequoia", "budget": 6, "depth": 4, "length": "thompson"},
         {"topk": 1, "depth": 6, "length": "confidence", "threshold": 0.3},
+        {"topk": 1, "depth": 4, "lookup": 2, "lookup_nodes": 6},
     )
     tune_grid = (
         {"depth": 3, "topk": 1}, {"depth": 5, "topk": 1}, {"depth": 4, "topk": 2, "budget": 8},
         {"structure": "opt", "budget": 8, "depth": 6}, {"structure": "opt", "budget": 16, "depth": 8},
         {"structure": "sequoia", "budget": 8, "depth": 5}, {"structure": "sequoia", "budget": 16, "depth": 6},
         {"topk": 1, "depth": 8, "length": "confidence", "threshold": 0.4},
+        {"topk": 1, "depth": 8, "length": "confidence", "threshold": 0.4, "lookup": 4},
+        {"structure": "opt", "budget": 8, "depth": 8, "lookup": 4},
+        {"topk": 1, "depth": 6, "lookup": 3, "lookup_nodes": 12},
     )
 
     def __init__(
         self, target: CausalLM, draft_model: CausalLM, structure: str = "eagle2", depth: int = 4, topk: int = 2,
         budget: int = 8, length: str = "fixed", threshold: float = 0.4, min_gain: float = 0.1,
-        accept: str = "0.7,0.1,0.04,0.02",
+        accept: str = "0.7,0.1,0.04,0.02", lookup: int = 0, lookup_nodes: int = 16,
     ):
         if structure not in STRUCTURES:
             raise SpecDecodeError(f"unknown draft structure '{structure}'.", f"Use one of: {', '.join(STRUCTURES)}.")
-        if depth < 1 or topk < 1 or budget < 0 or (structure != "eagle2" and budget < 1):
-            raise TypeError("need depth >= 1, topk >= 1, budget >= 0 (>= 1 for opt and sequoia)")
+        if depth < 1 or topk < 1 or budget < 0 or (structure != "eagle2" and budget < 1) or lookup < 0:
+            raise TypeError("need depth >= 1, topk >= 1, budget >= 0 (>= 1 for opt and sequoia), lookup >= 0")
         accept_by_rank = _probabilities(accept)
         check_same_vocabulary(target, draft_model)
         self.model = draft_model
@@ -82,11 +93,25 @@ class DraftModelDrafter(Drafter):
             self.budget = self.max_nodes = budget
         self.shape = sequoia_tree(budget, depth, accept_by_rank)[1] if structure == "sequoia" else None
         self.cache = None
+        self.lookup = lookup
+        self.retrieval = SuffixDrafter(target, max_nodes=lookup_nodes) if lookup else None
+        self.max_nodes = max(self.max_nodes, lookup_nodes if lookup else 0)
+        self.looked_up = False  # the current draft came from the retrieval, not the draft model
 
     def start(self, prompt_ids, capacity):
         self.cache = self.model.new_cache(capacity + self.depth * self.width + 1)
+        if self.retrieval:
+            self.retrieval.start(prompt_ids, capacity)
 
     def propose(self, context, params: SamplingParams, generator) -> Draft:
+        if self.retrieval:
+            match_len, found = self.retrieval.lookup(context)
+            self.looked_up = match_len >= self.lookup and len(found) > 0
+            if self.looked_up:
+                return found
+        return self.model_draft(context, params, generator)
+
+    def model_draft(self, context, params: SamplingParams, generator) -> Draft:
         cache = self.cache
         cache.truncate(len(context) - 1)  # drop what the target did not accept; keep the shared prefix
         root_logits = prefill(self.model, cache, context[cache.length :])  # [V]
@@ -104,8 +129,11 @@ class DraftModelDrafter(Drafter):
         return draft
 
     def commit(self, verdict, draft, target_logits) -> None:
-        drafted_depth = int(depths(draft.parents).max()) if len(draft) else 0
-        self.length.update(len(verdict.accepted), drafted_depth)
+        if self.retrieval:
+            self.retrieval.commit(verdict, draft, target_logits)
+        if not self.looked_up:
+            drafted_depth = int(depths(draft.parents).max()) if len(draft) else 0
+            self.length.update(len(verdict.accepted), drafted_depth)
 
 
 class _TreeGrowth:

@@ -30,6 +30,7 @@ from .ngram_table import NgramTable
 @register("lookahead")
 class LookaheadDrafter(Drafter):
     variants = ({}, {"window": 4, "level": 4, "guess": 2}, {"window": 5, "level": 2, "guess": 3})
+    tune_grid = ({"window": 3, "level": 3, "guess": 2}, {"window": 7, "level": 4, "guess": 5})
 
     def __init__(self, target, window: int = 5, level: int = 3, guess: int = 3, pool_from_context: bool = True):
         if window < 2 or level < 2 or guess < 0:

@@ -33,6 +33,8 @@ SEPARATOR = -1  # between corpus documents: matches no token, and ends a continu
 @register("suffix")
 class SuffixDrafter(Drafter):
     variants = ({}, {"alpha": 1.0, "max_nodes": 6, "min_prob": 0.3}, {"max_match": 2, "max_occurrences": 1})
+    tune_grid = ({"max_nodes": 8}, {"max_nodes": 32, "alpha": 8.0}, {"alpha": 2.0, "min_prob": 0.05},
+                 {"max_nodes": 8, "min_prob": 0.2})
 
     def __init__(
         self,
@@ -67,6 +69,10 @@ class SuffixDrafter(Drafter):
         self.prompt_len = len(prompt_ids)
 
     def propose(self, context, params, generator) -> Draft:
+        return self.lookup(context)[1]
+
+    def lookup(self, context: list[int]) -> tuple[int, Draft]:
+        """The longest suffix match's length (0: none) and its speculation tree."""
         self._append(context[self.length :])  # the first token (sampled at prefill) is not in any verdict
         own = self.tokens[: self.length]
         suffix = own[-self.max_match :]
@@ -75,14 +81,14 @@ class SuffixDrafter(Drafter):
         ]
         match_len = max(len(levels) for _, levels in sources)
         if not match_len:
-            return Draft.empty()
+            return 0, Draft.empty()
         budget = min(self.max_nodes, math.ceil(self.alpha * match_len))
         continuations: list[list[int]] = []
         for tokens, levels in sources:
             if len(levels) == match_len:
                 ends = levels[-1][::-1][: self.max_occurrences - len(continuations)]  # most recent first
                 continuations += [_until_separator(tokens[end : end + budget]) for end in ends]
-        return speculation_tree(continuations, budget, self.min_prob)
+        return match_len, speculation_tree(continuations, budget, self.min_prob)
 
     def commit(self, verdict, draft, target_logits) -> None:
         self._append(verdict.new_tokens)  # here rather than at the next proposal: the last step's tokens count too

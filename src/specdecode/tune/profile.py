@@ -37,9 +37,12 @@ def load_profile(target) -> dict | None:
 
 
 def save_profile(target, profile: dict) -> Path:
+    """Write the profile; drafters tuned earlier and not in this run keep their saved entries."""
     path = profile_path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile, indent=1))
+    earlier = (load_profile(target) or {}).get("drafters", {})
+    merged = dict(profile, drafters={**earlier, **profile["drafters"]})
+    path.write_text(json.dumps(merged, indent=1))
     return path
 
 
