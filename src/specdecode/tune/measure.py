@@ -4,6 +4,7 @@ Spec-Bench), all through the CausalLM interface, so any backend can be tuned."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from importlib import resources
@@ -20,9 +21,15 @@ from .cost import Measured, choose, speedup
 
 
 def tune_prompts(tokenizer, limit: int = 0) -> list[list[int]]:
-    """Token ids of the tuning prompts (under the chat template when the tokenizer has one)."""
+    """Token ids of the tuning prompts (under the chat template when the tokenizer has one). A limit takes them
+    from every kind (code, chat, summarize, ...) in turn, so a few prompts still cover the kinds."""
     lines = resources.files("specdecode.data").joinpath("tune_prompts.jsonl").read_text().splitlines()
-    texts = [json.loads(line)["prompt"] for line in lines if line.strip()][: limit or None]
+    records = [json.loads(line) for line in lines if line.strip()]
+    by_kind: dict[str, list[str]] = {}
+    for record in records:
+        by_kind.setdefault(record["kind"], []).append(record["prompt"])
+    rounds = itertools.zip_longest(*by_kind.values())
+    texts = [text for texts in rounds for text in texts if text is not None][: limit or None]
     if getattr(tokenizer, "chat_template", None):
         return [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return [tokenizer(t)["input_ids"] for t in texts]
