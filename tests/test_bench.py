@@ -126,6 +126,7 @@ def test_report_files(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| none | 1.00x | 1.00x | 1.00 | 1.00x |" in report
     assert "| pld |" in report and "test cpu" in report and "| decode tok/s |" in report
+    assert "| pld | (defaults) | defaults |" in report  # the drafter options in effect
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["records"]) == 6 and results["metrics"]["pld"]["overall"]["identical_share"] == 1.0
     assert (tmp_path / "speedup.png").stat().st_size > 1000

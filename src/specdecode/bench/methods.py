@@ -39,6 +39,7 @@ class EngineMethod(Method):
         tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params)
         record = stats.as_dict()
         record["token_ids"] = tokens
+        record["options"] = dict(self.drafter.options, tuned=self.drafter.tuned)
         return record
 
 

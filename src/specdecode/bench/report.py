@@ -14,7 +14,7 @@ def write_report(config, records: list[dict], out_dir: Path, machine: dict, when
     table = aggregate(records, config.methods, groups)
     results = {"config": config.__dict__, "machine": machine, "date": when, "metrics": table, "records": records}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "report.md").write_text(markdown(config, table, groups, machine, when))
+    (out_dir / "report.md").write_text(markdown(config, table, groups, machine, when, records))
     plot(table, config.methods, groups, out_dir)
     return table
 
@@ -23,7 +23,7 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
-def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -> str:
+def markdown(config, table: dict, groups: list[str], machine: dict, when: str, records: list[dict] = ()) -> str:
     sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
     llama_cpp = any(m.startswith("llama.cpp") for m in config.methods)
     lines = [
@@ -66,6 +66,7 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str) -
             f"{_fmt(m['draft_share'], '.0%')} | {_fmt(m['verify_share'], '.0%')} | {_fmt(m['other_share'], '.0%')} | "
             f"{_fmt(m['identical_share'] if config.temperature == 0 else None, '.0%')} |"
         )
+    lines += _options_section(records)
     lines += [
         "",
         "tokens/s is end to end (new tokens / generation time, prefill included); decode tok/s leaves out the "
@@ -115,3 +116,20 @@ def plot(table: dict, methods: list[str], groups: list[str], out_dir: Path) -> N
     fig.tight_layout()
     fig.savefig(out_dir / "tau_vs_tokens_per_second.png", dpi=120)
     plt.close(fig)
+
+
+def _options_section(records) -> list[str]:
+    """Each engine method's drafter options in effect: given in its spec, or picked by `specdecode tune`."""
+    seen: dict[str, dict] = {}
+    for record in records:
+        if "options" in record:
+            seen.setdefault(record["method"], record["options"])
+    if not seen:
+        return []
+    lines = ["", "Drafter options in effect (tuned: taken from the `specdecode tune` profile of this target):", "",
+             "| Method | options | source |", "|---|---|---|"]
+    for method, options in seen.items():
+        shown = " ".join(f"{k}={v}" for k, v in options.items() if k != "tuned") or "(defaults)"
+        source = "tuned profile" if options.get("tuned") else "given" if len(options) > 1 else "defaults"
+        lines.append(f"| {method} | {shown} | {source} |")
+    return lines

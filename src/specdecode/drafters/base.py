@@ -33,6 +33,8 @@ class Drafter(ABC):
     needs_draft_model: ClassVar[bool] = False  # True: the constructor takes draft_model=<CausalLM>
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
+    options: dict = {}  # the options build_drafter passed (given, or from the tuned profile); {} = defaults
+    tuned: bool = False  # True when those options came from the tuned profile
     # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
     variants: ClassVar[tuple[dict, ...]] = ({},)
     # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.
@@ -63,8 +65,10 @@ def build_drafter(name: str, target, **options) -> Drafter:
     check_drafter_name(name)
     cls = DRAFTERS[name]
     profile = options.pop("profile", "auto")
+    tuned = {}
     if not any(key != "draft_model" for key in options):
-        options.update(tuned_options(name, target, options.get("draft_model"), profile))
+        tuned = tuned_options(name, target, options.get("draft_model"), profile)
+        options.update(tuned)
     if cls.needs_draft_model and options.get("draft_model") is None:
         raise SpecDecodeError(
             f"drafter '{name}' needs a draft model.", "Pass --draft-model NAME (a smaller model with the same tokenizer)."
@@ -72,9 +76,12 @@ def build_drafter(name: str, target, **options) -> Drafter:
     if not cls.needs_draft_model:
         options.pop("draft_model", None)
     try:
-        return cls(target, **options)
+        drafter = cls(target, **options)
     except TypeError as exc:  # unknown or malformed option
         raise SpecDecodeError(f"bad option for drafter '{name}': {exc}.", "Check the drafter's options.") from None
+    drafter.options = {key: value for key, value in options.items() if key != "draft_model"}
+    drafter.tuned = bool(tuned)
+    return drafter
 
 
 def parse_options(pairs: list[str]) -> dict:
