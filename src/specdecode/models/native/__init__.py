@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import llama
+from . import gemma3, llama
 from ..base import eos_token_ids
 from .linear import QUANTS
 from .weights import PreparedWeights, SafetensorsWeights, cache_file_for
 
-FAMILIES = {"llama": llama, "qwen2": llama}  # config.model_type -> module
+FAMILIES = {"llama": llama, "qwen2": llama, "gemma3_text": gemma3}  # config.model_type -> module
 
 
 def supported(config) -> bool:

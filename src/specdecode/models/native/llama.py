@@ -37,7 +37,10 @@ class LlamaModel(CausalLM):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
         self.max_context = int(config.max_position_embeddings)
-        self.inv_freq = inverse_frequencies(self.head_dim, _rope_theta(config))  # [D/2]
+        # Attention kinds: kind -> (rotary inverse frequencies [D/2], sliding window or None); the kind of each layer
+        self.kinds = {"full": (inverse_frequencies(self.head_dim, _rope_theta(config)), None)}
+        self.layer_kinds = ["full"] * self.n_layers
+        self.scale = None  # attention scale; None = 1/sqrt(head_dim)
         # tied weights are saved once, under either name
         embed = "model.embed_tokens.weight" if weights.has("model.embed_tokens.weight") else "lm_head.weight"
         head = "lm_head.weight" if weights.has("lm_head.weight") else embed
@@ -73,9 +76,13 @@ class LlamaModel(CausalLM):
     def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
         q = input_ids.shape[0]
         cache.reserve(positions)
-        # one new token with nothing uncommitted before it sees everything: no mask
-        mask = None if q == 1 and cache.pending == 0 else attention_mask(cache, q, tree_mask)[None]  # [1, q, end+q]
-        logits = self._run(cache, input_ids[None], positions[None], mask, last_only, [probe_embedding])  # [1, q|1, V]
+        # one new token with nothing uncommitted before it sees everything (no window): no mask
+        sees_all = q == 1 and cache.pending == 0
+        masks = {  # kind -> [1, q, end+q]
+            kind: None if sees_all and window is None else attention_mask(cache, q, tree_mask, window)[None]
+            for kind, (_, window) in self.kinds.items()
+        }
+        logits = self._run(cache, input_ids[None], positions[None], masks, last_only, [probe_embedding])  # [1, q|1, V]
         cache.advance(q)
         return logits[0]
 
@@ -85,35 +92,46 @@ class LlamaModel(CausalLM):
         if batch is None:
             return super().forward_batch(requests)
         batch.kv.reserve(batch.positions)
-        mask = batch_attention_mask(requests, batch.q, batch.kv.key_count)  # [B, q, keys]
-        logits = self._run(batch.kv, batch.input_ids, batch.positions, mask, False, batch.probe_embeddings)
+        masks = {  # kind -> [B, q, keys]
+            kind: batch_attention_mask(requests, batch.q, batch.kv.key_count, window)
+            for kind, (_, window) in self.kinds.items()
+        }
+        logits = self._run(batch.kv, batch.input_ids, batch.positions, masks, False, batch.probe_embeddings)
         batch.kv.advance(batch.lengths)
         return [logits[row, :length] for row, length in enumerate(batch.lengths)]
 
-    def _run(self, kv, input_ids, positions, mask, last_only: bool, probes) -> torch.Tensor:
-        """[B, q] tokens at [B, q] positions -> [B, q or 1, V] float32 logits; kv holds the reserved slots."""
+    def _run(self, kv, input_ids, positions, masks: dict, last_only: bool, probes) -> torch.Tensor:
+        """[B, q] tokens at [B, q] positions -> [B, q or 1, V] float32 logits; kv holds the reserved slots;
+        masks: attention kind -> [B, q, keys] bool or None."""
         b, q = input_ids.shape
-        cos, sin = rotary(positions, self.inv_freq, self.dtype)  # [B, 1, q, D]
+        rotations = {kind: rotary(positions, freqs, self.dtype) for kind, (freqs, _) in self.kinds.items()}  # [B,1,q,D]
         if any(probe is not None for probe in probes):
             hidden = place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes).view(b * q, -1)
         else:
             hidden = self.embed(input_ids.reshape(-1))  # [B*q, d]: every matmul sees all rows at once
-        for layer, block in enumerate(self.blocks):
-            hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
-            hidden = hidden + self._mlp(block, hidden)
+        for layer, (block, kind) in enumerate(zip(self.blocks, self.layer_kinds)):
+            hidden = self._layer(block, layer, kv, hidden, b, *rotations[kind], masks[kind])
         hidden = hidden.view(b, q, -1)
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.lm_head(rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
         return logits.float().view(b, hidden.shape[1], -1)
 
+    def _layer(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
+        hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
+        return hidden + self._mlp(block, hidden)
+
     def _attention(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:
         hq, hkv = self.n_heads, self.n_kv_heads
         qkv = block.qkv(rms_norm(hidden, block.attn_norm, self.eps))  # [B*q, (Hq + 2 Hkv) D]
         heads = qkv.view(b, -1, hq + 2 * hkv, self.head_dim).transpose(1, 2)  # [B, Hq + 2 Hkv, q, D]
-        rotated = apply_rotary(heads[:, : hq + hkv], cos, sin)  # queries and keys at once
+        rotated = apply_rotary(self._qk_norm(block, heads[:, : hq + hkv]), cos, sin)  # queries and keys at once
         queries, keys, values = rotated[:, :hq], rotated[:, hq:], heads[:, hq + hkv :]
-        return block.out(attend(kv, layer, queries, keys, values, mask))  # [B*q, d]
+        return block.out(attend(kv, layer, queries, keys, values, mask, self.scale))  # [B*q, d]
+
+    def _qk_norm(self, block: Block, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
+        """Per-head normalization of queries and keys before rotary (none in Llama)."""
+        return heads
 
     def _mlp(self, block: Block, hidden) -> torch.Tensor:
         gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B*q, I] each

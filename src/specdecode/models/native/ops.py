@@ -36,6 +36,7 @@ def attend(
     keys: torch.Tensor,  # [B, Hkv, q, D], rotated
     values: torch.Tensor,  # [B, Hkv, q, D]
     mask: torch.Tensor | None,  # [B, q, keys] bool, None = everything visible
+    scale: float | None = None,  # None = 1/sqrt(D)
 ) -> torch.Tensor:  # [B*q, Hq*D]
     """Write the new keys/values into the cache's reserved slots, then attend over all entries so far.
 
@@ -47,5 +48,5 @@ def attend(
     all_keys, all_values = kv.update(layer, keys, values)  # [B, Hkv, keys, D]
     stacked = queries.reshape(b, hkv, group * q, d)  # rows g*q + i = query head kv*G + g, query i
     mask = None if mask is None else mask.repeat(1, group, 1)[:, None]  # [B, 1, G*q, keys]
-    out = F.scaled_dot_product_attention(stacked, all_keys, all_values, attn_mask=mask)  # [B, Hkv, G*q, D]
+    out = F.scaled_dot_product_attention(stacked, all_keys, all_values, attn_mask=mask, scale=scale)  # [B, Hkv, G*q, D]
     return out.view(b, hq, q, d).transpose(1, 2).reshape(b * q, hq * d)

@@ -1,0 +1,91 @@
+"""Gemma 3 (text): the Llama layout with four norms per block, per-head query/key norms, a GELU MLP, embeddings
+scaled by sqrt(d), and interleaved attention kinds: sliding-window layers (local rotary base) and full layers
+(global rotary base). Norm weights w act as (1 + w); the attention scale is query_pre_attn_scalar^-1/2."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .llama import Block, LlamaModel
+from .ops import inverse_frequencies, rms_norm
+from .weights import PreparedWeights
+
+KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+@dataclass
+class GemmaBlock(Block):
+    post_attn_norm: torch.Tensor  # [d]
+    post_mlp_norm: torch.Tensor  # [d]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+
+
+class Gemma3Model(LlamaModel):
+    def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
+        super().__init__(config, weights, tokenizer, name, eos_ids)
+        rope = config.rope_parameters
+        self.kinds = {
+            "full": (inverse_frequencies(self.head_dim, rope["full_attention"]["rope_theta"]), None),
+            "sliding": (inverse_frequencies(self.head_dim, rope["sliding_attention"]["rope_theta"]), config.sliding_window),
+        }
+        self.layer_kinds = [KINDS[kind] for kind in config.layer_types]
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=self.dtype)
+        self.norm = _unit_offset(self.norm)
+
+    def _block(self, weights: PreparedWeights, prefix: str) -> GemmaBlock:
+        llama = super()._block(weights, prefix)
+        norm = lambda name: _unit_offset(weights.tensor(prefix + name + ".weight"))  # noqa: E731
+        return GemmaBlock(
+            attn_norm=_unit_offset(llama.attn_norm),
+            qkv=llama.qkv,
+            out=llama.out,
+            mlp_norm=norm("pre_feedforward_layernorm"),
+            gate_up=llama.gate_up,
+            down=llama.down,
+            post_attn_norm=_unit_offset(llama.mlp_norm),  # Llama's post_attention_layernorm is Gemma's post-norm
+            post_mlp_norm=norm("post_feedforward_layernorm"),
+            q_norm=norm("self_attn.q_norm"),
+            k_norm=norm("self_attn.k_norm"),
+        )
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
+        return self.embedding[token_ids] * self.embed_scale
+
+    def _layer(self, block: GemmaBlock, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
+        attended = self._attention(block, layer, kv, hidden, b, cos, sin, mask)
+        hidden = hidden + rms_norm(attended, block.post_attn_norm, self.eps)
+        return hidden + rms_norm(self._mlp(block, hidden), block.post_mlp_norm, self.eps)
+
+    def _qk_norm(self, block: GemmaBlock, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
+        hq = self.n_heads
+        return torch.cat([rms_norm(heads[:, :hq], block.q_norm, self.eps), rms_norm(heads[:, hq:], block.k_norm, self.eps)], 1)
+
+    def _mlp(self, block: GemmaBlock, hidden) -> torch.Tensor:
+        gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B*q, I] each
+        return block.down(F.gelu(gate, approximate="tanh") * up)  # [B*q, d]
+
+
+Model = Gemma3Model
+
+
+def _unit_offset(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's norms scale by (1 + w)."""
+    return (1.0 + weight.float()).to(weight.dtype)
+
+
+def supports(config) -> bool:
+    """Plain rotary for both kinds, GELU-tanh, no logit soft-capping: what this file implements."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    plain = all(rope.get(kind, {}).get("rope_type", "default") == "default" for kind in KINDS)
+    return (
+        plain and set(KINDS) >= set(config.layer_types) and config.hidden_activation == "gelu_pytorch_tanh"
+        and config.final_logit_softcapping is None and config.attn_logit_softcapping is None
+        and not getattr(config, "use_bidirectional_attention", False)
+    )
