@@ -8,7 +8,9 @@ bash scripts/setup.sh
 PROMPT='Write a Python function that parses a CSV file into a list of dictionaries, then refactor it to stream rows lazily. Show both versions.'
 run() { .venv/bin/specdecode generate --model qwen2.5-coder-1.5b-instruct --chat --prompt "$PROMPT" --max-new-tokens 192 "$@"; }
 echo "=== draft model (0.5B, int4 weights) drafting for the bfloat16 1.5B target, next to plain decoding ==="
-run --drafter draft --draft-model qwen2.5-coder-0.5b-instruct --draft-quant int4 --compare
+# the options `specdecode tune` picked on a 2-core CPU: a chain of up to 8 with a confidence stop, suffix lookup first
+run --drafter draft --draft-model qwen2.5-coder-0.5b-instruct --draft-quant int4 --compare \
+    -o topk=1 -o depth=8 -o length=confidence -o threshold=0.4 -o lookup=4
 echo "=== suffix (training-free retrieval), next to plain decoding ==="
 run --drafter suffix --compare
 echo "=== the native int4 fast path: plain decoding of int4 weights ==="

@@ -38,6 +38,10 @@ def test_cost_model_prefers_small_drafts_when_verification_is_dear():
 def test_cost_model_keeps_the_defaults_on_a_tie():
     twin = Measured({"depth": 9}, CHAIN.tokens_per_step, CHAIN.nodes_per_step, CHAIN.draft_seconds_per_step)
     assert choose([CHAIN, twin], CPU_LIKE) is CHAIN
+    # 1% faster is not enough to leave the defaults; 3% is
+    near = Measured({"depth": 8}, CHAIN.tokens_per_step * 1.01, CHAIN.nodes_per_step, CHAIN.draft_seconds_per_step)
+    clear = Measured({"depth": 7}, CHAIN.tokens_per_step * 1.03, CHAIN.nodes_per_step, CHAIN.draft_seconds_per_step)
+    assert choose([CHAIN, near], CPU_LIKE) is CHAIN and choose([CHAIN, near, clear], CPU_LIKE) is clear
 
 
 def test_sequoia_dp_trades_depth_for_width_by_acceptance():
