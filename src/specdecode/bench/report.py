@@ -129,7 +129,8 @@ def _options_section(records) -> list[str]:
     lines = ["", "Drafter options in effect (tuned: taken from the `specdecode tune` profile of this target):", "",
              "| Method | options | source |", "|---|---|---|"]
     for method, options in seen.items():
-        shown = " ".join(f"{k}={v}" for k, v in options.items() if k != "tuned") or "(defaults)"
-        source = "tuned profile" if options.get("tuned") else "given" if len(options) > 1 else "defaults"
+        chosen = {key: value for key, value in options.items() if key != "tuned"}
+        shown = " ".join(f"{key}={value}" for key, value in chosen.items()) or "(defaults)"
+        source = "tuned profile" if options.get("tuned") else "given" if chosen else "defaults"
         lines.append(f"| {method} | {shown} | {source} |")
     return lines
