@@ -12,14 +12,13 @@ import torch
 from specdecode.drafters import build_drafter
 from specdecode.drafters.esp import best_paths
 from specdecode.drafters.jacobi import coupled_draw
-from specdecode.engine import generate
 from specdecode.models.base import forward_tree, prefill
 from specdecode.sampling import SamplingParams, probs_from_logits
 from specdecode.tree import PROBE, Draft, depths, trie
 from specdecode.verify import GreedyVerifier, RejectionVerifier, Verdict
 
 from conftest import tiny_model
-from test_sampling_distribution import EXACT, joint_counts, tv, tv_bound
+from test_sampling_distribution import EXACT, engine_pair_counts, joint_counts, tv, tv_bound
 
 V = 50
 FAKE_TARGET = SimpleNamespace(eos_token_ids=frozenset({49}), vocab_size=V)
@@ -164,8 +163,5 @@ def test_later_steps_sample_exactly(name, options):
                 exact[t2] += p0 * p1 * p2 * next_probs([t0, t1, t2])
     drafter = build_drafter(name, target, **options)
     n = 3000
-    counts = torch.zeros(vocab, vocab)
-    for seed in range(n):
-        tokens, _ = generate(target, drafter, prompt, 4, SamplingParams(temperature=1.0, seed=seed))
-        counts[tokens[2], tokens[3]] += 1
+    counts = engine_pair_counts(target, drafter, prompt, 4, (2, 3), vocab, n)
     assert tv(counts, exact) < tv_bound(vocab**2, n, delta=1e-3)

@@ -158,8 +158,14 @@ def test_engine_sampling_matches_plain_sampling(engine_setup, name, variant):
     options = dict(variant, **({"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}))
     drafter = build_drafter(name, target, **options)
     n = 4000
-    counts = torch.zeros(ENGINE_V, ENGINE_V)
-    for seed in range(n):
-        tokens, _ = generate(target, drafter, prompt, 3, SamplingParams(temperature=1.0, seed=seed))
-        counts[tokens[0], tokens[1]] += 1
+    counts = engine_pair_counts(target, drafter, prompt, 3, (0, 1), ENGINE_V, n)
     assert tv(counts, exact) < tv_bound(ENGINE_V**2, n, delta=1e-3)
+
+
+def engine_pair_counts(target, drafter, prompt, max_new_tokens: int, at: tuple[int, int], vocab: int, n: int):
+    """[V, V] counts of the new tokens at positions `at` over n seeded engine generations at temperature 1."""
+    counts = torch.zeros(vocab, vocab)
+    for seed in range(n):
+        tokens, _ = generate(target, drafter, prompt, max_new_tokens, SamplingParams(temperature=1.0, seed=seed))
+        counts[tokens[at[0]], tokens[at[1]]] += 1
+    return counts
