@@ -1,0 +1,144 @@
+"""specdecode's own CPU kernels (cpu.cpp): quantized linear layers and tree attention whose output rows are each
+computed exactly as a one-row forward would compute them, so that verifying N drafted tokens in one forward gives
+bit for bit what N plain decoding steps give.
+
+The extension is compiled once per machine kind on first use (torch's cpp_extension, g++), cached under
+~/.cache/specdecode/kernels/, and picks its code path at run time from the CPU's flags: AVX-512 VNNI, AVX2
+(vpmaddubsw), or a scalar path that computes the same numbers. Where it cannot be built (no compiler), `native()`
+returns None with the reason in `status()`, and the model files fall back to torch's kernels (rows then round
+differently, and the speed of tree verification is torch's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+ISAS = ("scalar", "avx2", "avx512-vnni")  # index = the code the C++ side takes
+_ISA_FLAGS = {
+    "avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "scalar": set(),
+}
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def best_isa() -> str:
+    """The fastest code path this CPU runs; SPECDECODE_ISA=avx2|scalar forces a slower one (tests, comparisons)."""
+    flags = cpu_flags()
+    supported = [isa for isa in ISAS if _ISA_FLAGS[isa] <= flags]
+    forced = os.environ.get("SPECDECODE_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"SPECDECODE_ISA={forced}: use one of {', '.join(ISAS)}")
+        if forced not in supported:
+            raise ValueError(f"SPECDECODE_ISA={forced}: this CPU lacks {sorted(_ISA_FLAGS[forced] - flags)}")
+        return forced
+    return supported[-1]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled extension bound to one code path."""
+
+    module: object
+    isa: str
+
+    def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, bits: int) -> torch.Tensor:
+        """x [M, K] float32 -> [M, tiles * 16] float32 for weights packed by models/native/linear.py."""
+        return self.module.quant_linear(x, packed, bits, ISAS.index(self.isa))
+
+    def tree_attention(self, queries, keys, values, mask, n_keys: int, scale: float) -> torch.Tensor:
+        """queries [B, Hq, q, D] float32, keys/values [B, Hkv, >=n_keys, D], mask [B, q, >=n_keys] bool or None
+        -> [B, q, Hq*D] float32."""
+        empty = torch.empty(0, dtype=torch.bool)
+        return self.module.tree_attention(
+            queries, keys, values, empty if mask is None else mask.contiguous(), n_keys, scale, ISAS.index(self.isa)
+        )
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [M, d] float32
+        return self.module.rms_norm(x, weight, eps, ISAS.index(self.isa))
+
+    def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2n] -> [M, n] float32
+        return self.module.glu(gate_up, gelu, ISAS.index(self.isa))
+
+
+_state: dict[str, object] = {}
+
+
+def native() -> Kernels | None:
+    """The compiled kernels for this CPU, building them on first use; None if they cannot be built here."""
+    isa = best_isa()
+    if isa in _state:
+        return _state[isa]
+    with _lock:
+        if isa not in _state:
+            _state[isa] = _build(isa)
+    return _state[isa]
+
+
+def status() -> str:
+    """One line: which kernels run, or why torch's run instead."""
+    kernels = native()
+    if kernels is not None:
+        return f"specdecode kernels ({kernels.isa})"
+    return f"torch kernels ({_state.get('reason', 'unknown reason')})"
+
+
+def _build(isa: str) -> Kernels | None:
+    try:
+        module = _compile()
+    except Exception as exc:  # no compiler, missing headers, ...: fall back, and say why
+        _state["reason"] = f"could not build cpu.cpp: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+        return None
+    return Kernels(module, isa)
+
+
+def _compile():
+    from torch.utils.cpp_extension import load
+
+    from ..models.packaged import cache_root
+
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
+    build = cache_root() / "kernels" / digest
+    build.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=f"specdecode_cpu_{digest}",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=False,
+    )

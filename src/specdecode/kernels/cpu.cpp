@@ -1,0 +1,788 @@
+// specdecode's CPU kernels: quantized linear layers and tree attention whose every output row is computed exactly as
+// it would be alone. Speculative verification scores N rows in one forward; plain decoding scores one. When each row's
+// arithmetic does not depend on the other rows (same operations, same order), the N-row forward gives bit for bit what
+// N one-row forwards give, and speculative decoding is token-identical to plain decoding in any weight format.
+//
+// Linear (weights int4 or int8, activations int8):
+//   - activations are quantized per row and per block of 32 (symmetric, |q| <= 127: a row's own numbers only);
+//   - integer dot products per block are exact in int32 (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw + vpmaddwd);
+//   - each output column sums its blocks in block order with the same float operations in every code path
+//     (vectorized across output columns, never across the reduction), so the scalar, AVX2 and AVX-512 paths agree
+//     bit for bit, whatever the number of rows or threads.
+// Weights are packed in tiles of 16 output columns; per tile and block of 32 inputs:
+//   int4: 4 chunks of 64 bytes (chunk c: column j's bytes 4j..4j+3 hold inputs 4c..4c+3 in the low nibbles and
+//         16+4c..16+4c+3 in the high nibbles), then 16 fp16 scales and 16 fp16 mins: w = scale * code + min.
+//   int8: 8 chunks of 64 bytes (chunk c: column j's bytes hold inputs 4c..4c+3), then 16 fp16 scales: w = scale * code.
+//
+// Attention: each (query row, head) reduces over its visible keys in position order, with the same vector blocking
+// whatever the other rows are; keys hidden by the tree mask are skipped, not zeroed.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int BLOCK = 32;   // inputs per quantization block
+constexpr int TILE = 16;    // output columns per weight tile
+constexpr int Q4_BYTES = 4 * 64 + 2 * TILE * 2;  // nibbles + scales + mins
+constexpr int Q8_BYTES = 8 * 64 + TILE * 2;      // codes + scales
+constexpr int PREFETCH = 6;  // blocks ahead (weights stream from memory once per forward)
+
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activation quantization: per row, per block of 32, symmetric int8 with |q| <= 127.
+struct QuantRows {
+  int64_t rows, blocks;
+  std::vector<int8_t> codes;    // [rows, blocks * 32]
+  std::vector<uint8_t> magnitudes;  // [rows, blocks * 32]: |code| (AVX2 int8 path)
+  std::vector<float> scales;    // [rows, blocks]
+  std::vector<int32_t> sums;    // [rows, blocks]: sum of codes
+  std::vector<float> shifts;    // [rows, blocks]: scale * sum (what a block's weight min is multiplied by)
+};
+
+// Round to nearest even (the default MXCSR mode), as _mm256_cvtps_epi32 does.
+inline int32_t round_even(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
+
+void quantize_block_scalar(const float* in, int8_t* codes, uint8_t* magnitudes, float& scale, int32_t& sum) {
+  float amax = 0.f;
+  for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(in[i]));
+  const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+  scale = amax / 127.f;
+  sum = 0;
+  for (int i = 0; i < BLOCK; ++i) {
+    const int32_t v = std::min(127, std::max(-127, round_even(in[i] * inverse)));
+    codes[i] = static_cast<int8_t>(v);
+    magnitudes[i] = static_cast<uint8_t>(v < 0 ? -v : v);
+    sum += v;
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// The same numbers as quantize_block_scalar (max, one division, one multiply and a rounding per element).
+void quantize_block_avx2(const float* in, int8_t* codes, uint8_t* magnitudes, float& scale, int32_t& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4], amax = _mm256_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    x[c] = _mm256_loadu_ps(in + 8 * c);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[c]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m);
+  const float inverse = top > 0.f ? 127.f / top : 0.f;
+  scale = top / 127.f;
+  const __m256 inv = _mm256_set1_ps(inverse);
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  __m256i q[4], total = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    q[c] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(x[c], inv))));
+    total = _mm256_add_epi32(total, q[c]);
+  }
+  // int32 -> int8 in order: packs interleave 128-bit lanes, the permute restores the order
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+  const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(magnitudes), _mm256_abs_epi8(bytes));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  sum = _mm_cvtsi128_si32(t);
+}
+#pragma GCC pop_options
+
+QuantRows quantize_rows(const float* x, int64_t rows, int64_t k, int64_t stride, int isa) {
+  QuantRows q;
+  q.rows = rows;
+  q.blocks = k / BLOCK;
+  q.codes.resize(rows * k);
+  q.magnitudes.resize(rows * k);
+  q.scales.resize(rows * q.blocks);
+  q.sums.resize(rows * q.blocks);
+  q.shifts.resize(rows * q.blocks);
+  const auto block = isa >= AVX2 ? quantize_block_avx2 : quantize_block_scalar;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < q.blocks; ++b) {
+        const int64_t i = r * q.blocks + b;
+        block(x + r * stride + b * BLOCK, q.codes.data() + r * k + b * BLOCK, q.magnitudes.data() + r * k + b * BLOCK,
+              q.scales[i], q.sums[i]);
+        q.shifts[i] = q.scales[i] * static_cast<float>(q.sums[i]);
+      }
+  });
+  return q;
+}
+
+// IEEE half -> float, exactly (as vcvtph2ps does), without needing F16C in the scalar path.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The scalar reference: the same float operations as the vector paths, one column at a time.
+void q4_tile_scalar(const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, int64_t rows, float* y,
+                    int64_t y_stride) {
+  for (int64_t r = r0; r < r0 + rows; ++r) {
+    const int8_t* codes = a.codes.data() + r * blocks * BLOCK;
+    for (int j = 0; j < TILE; ++j) {
+      float acc = 0.f, accm = 0.f;  // the dot products' and the mins' terms
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = tile + b * Q4_BYTES;
+        int32_t dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = blk[64 * c + 4 * j + i];
+            dot += (byte & 15) * codes[b * BLOCK + 4 * c + i] + (byte >> 4) * codes[b * BLOCK + 16 + 4 * c + i];
+          }
+        uint16_t s, m;
+        std::memcpy(&s, blk + 256 + 2 * j, 2);
+        std::memcpy(&m, blk + 288 + 2 * j, 2);
+        const float sa = a.scales[r * blocks + b], shift = a.shifts[r * blocks + b];
+        acc = std::fma(static_cast<float>(dot), half_to_float(s) * sa, acc);
+        accm = std::fma(half_to_float(m), shift, accm);
+      }
+      y[(r - r0) * y_stride + j] = acc + accm;
+    }
+  }
+}
+
+void q8_tile_scalar(const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, int64_t rows, float* y,
+                    int64_t y_stride) {
+  for (int64_t r = r0; r < r0 + rows; ++r) {
+    const int8_t* codes = a.codes.data() + r * blocks * BLOCK;
+    for (int j = 0; j < TILE; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = tile + b * Q8_BYTES;
+        int32_t dot = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i)
+            dot += static_cast<int8_t>(blk[64 * c + 4 * j + i]) * codes[b * BLOCK + 4 * c + i];
+        uint16_t s;
+        std::memcpy(&s, blk + 512 + 2 * j, 2);
+        acc = std::fma(static_cast<float>(dot), half_to_float(s) * a.scales[r * blocks + b], acc);
+      }
+      y[(r - r0) * y_stride + j] = acc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+inline int32_t word_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// int4, 8 columns (half h of a tile), R rows at a time.
+template <int R>
+void q4_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
+                  int64_t y_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R], accm[R];  // the dot products' and the mins' terms
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = tile + b * Q4_BYTES;
+    if (h == 0)
+      for (int line = 0; line < Q4_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q4_BYTES + line, _MM_HINT_T0);
+    __m256i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * h));
+      lo[c] = _mm256_and_si256(v, low4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
+      __m256i part[4];  // int16 pair sums; each lane of their total holds 16 products, |sum| <= 16 * 15 * 127
+      for (int c = 0; c < 4; ++c)
+        part[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(word_at(codes + 4 * c))),
+                                   _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(word_at(codes + 16 + 4 * c))));
+      const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part[0], part[1]), _mm256_add_epi16(part[2], part[3]));
+      const __m256i dot = _mm256_madd_epi16(pairs, ones);
+      const float sa = a.scales[row * blocks + b], shift = a.shifts[row * blocks + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(sa)), acc[r]);
+      accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(shift), accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * y_stride + 8 * h, _mm256_add_ps(acc[r], accm[r]));
+}
+
+// int8, 8 columns, R rows: |a| (u8) times sign(a) * w (s8), so no pair of products can saturate int16.
+template <int R>
+void q8_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
+                  int64_t y_stride) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = tile + b * Q8_BYTES;
+    if (h == 0)
+      for (int line = 0; line < Q8_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q8_BYTES + line, _MM_HINT_T0);
+    __m256i w[8];
+    for (int c = 0; c < 8; ++c) w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * h));
+    const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 512 + 16 * h)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
+      const int8_t* mags = reinterpret_cast<const int8_t*>(a.magnitudes.data()) + (row * blocks + b) * BLOCK;
+      __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int c = 0; c < 8; ++c) {
+        const __m256i signed_w = _mm256_sign_epi8(w[c], _mm256_set1_epi32(word_at(codes + 4 * c)));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(word_at(mags + 4 * c)), signed_w);
+        part[c % 2] = _mm256_add_epi32(part[c % 2], _mm256_madd_epi16(pairs, ones));
+      }
+      const __m256i dot = _mm256_add_epi32(part[0], part[1]);
+      const float sa = a.scales[row * blocks + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(sa)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
+}
+
+template <int R>
+void tile_avx2(int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
+               int64_t y_stride) {
+  for (int h = 0; h < 2; ++h) {
+    if (bits == 4)
+      q4_half_avx2<R>(tile, h, blocks, a, r0, y, y_stride);
+    else
+      q8_half_avx2<R>(tile, h, blocks, a, r0, y, y_stride);
+  }
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+// acc += u8 x s8 dot products of w with the 4 bytes at p broadcast to every lane, the broadcast done by the load
+// (embedded broadcast): compilers emit a separate vpbroadcastd, which competes with vpdpbusd for the vector pipes.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %[a]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [a] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+template <int R>
+void q4_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
+                    int64_t y_stride) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R], accm[R];  // the dot products' and the mins' terms
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = tile + b * Q4_BYTES;
+    for (int line = 0; line < Q4_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q4_BYTES + line, _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+      lo[c] = _mm512_and_si512(v, low4);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
+      // two independent chains (integer sums: their order does not change the result)
+      __m512i low_part = _mm512_setzero_si512(), high_part = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        low_part = dpbusd_bcast(low_part, lo[c], codes + 4 * c);
+        high_part = dpbusd_bcast(high_part, hi[c], codes + 16 + 4 * c);
+      }
+      const __m512i dot = _mm512_add_epi32(low_part, high_part);
+      const float sa = a.scales[row * blocks + b], shift = a.shifts[row * blocks + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(sa)), acc[r]);
+      accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(shift), accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * y_stride, _mm512_add_ps(acc[r], accm[r]));
+}
+
+// int8 with VNNI: (w + 128) as u8 times a, minus 128 * sum(a): exact, no saturation.
+template <int R>
+void q8_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
+                    int64_t y_stride) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = tile + b * Q8_BYTES;
+    for (int line = 0; line < Q8_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q8_BYTES + line, _MM_HINT_T0);
+    __m512i w[8];
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * c), flip);
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
+      __m512i part[2] = {_mm512_set1_epi32(-128 * a.sums[row * blocks + b]), _mm512_setzero_si512()};
+      for (int c = 0; c < 8; ++c) part[c % 2] = dpbusd_bcast(part[c % 2], w[c], codes + 4 * c);
+      const __m512i dot = _mm512_add_epi32(part[0], part[1]);
+      const float sa = a.scales[row * blocks + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(sa)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * y_stride, acc[r]);
+}
+
+template <int R>
+void tile_avx512(int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
+                 int64_t y_stride) {
+  if (bits == 4)
+    q4_tile_avx512<R>(tile, blocks, a, r0, y, y_stride);
+  else
+    q8_tile_avx512<R>(tile, blocks, a, r0, y, y_stride);
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row chunks: the widest kernel that fits the rows left; a row's arithmetic is the same in every width.
+using TileFn = void (*)(int, const uint8_t*, int64_t, const QuantRows&, int64_t, float*, int64_t);
+
+constexpr int MAX_ROWS_AVX512 = 8;
+constexpr int MAX_ROWS_AVX2 = 4;
+
+TileFn avx512_kernel(int rows) {
+  static const TileFn table[] = {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
+                                 tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
+  return table[rows];
+}
+
+TileFn avx2_kernel(int rows) {
+  static const TileFn table[] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+  return table[rows];
+}
+
+void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, float* y,
+              int64_t y_stride) {
+  const int64_t rows = a.rows;
+  if (isa == SCALAR) {
+    if (bits == 4)
+      q4_tile_scalar(tile, blocks, a, 0, rows, y, y_stride);
+    else
+      q8_tile_scalar(tile, blocks, a, 0, rows, y, y_stride);
+    return;
+  }
+  const int widest = isa == AVX512 ? MAX_ROWS_AVX512 : MAX_ROWS_AVX2;
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int n = static_cast<int>(std::min<int64_t>(widest, rows - r0));
+    TileFn fn = isa == AVX512 ? avx512_kernel(n) : avx2_kernel(n);
+    fn(bits, tile, blocks, a, r0, y + r0 * y_stride, y_stride);
+    r0 += n;
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32 (row stride may exceed K), packed [tiles, K/32, bytes] uint8 -> [M, tiles * 16] float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "bad packed");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0), blocks = packed.size(1);
+  TORCH_CHECK(k == blocks * BLOCK, "x has ", k, " inputs, the weights ", blocks * BLOCK);
+  TORCH_CHECK(packed.size(2) == (bits == 4 ? Q4_BYTES : Q8_BYTES), "packed tile size does not match bits");
+  auto y = torch::empty({rows, tiles * TILE}, x.options());
+  if (rows == 0) return y;
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), rows, k, x.stride(0), static_cast<int>(isa));
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  const int64_t tile_bytes = blocks * packed.size(2);
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      run_tile(static_cast<int>(isa), static_cast<int>(bits), weights + t * tile_bytes, blocks, a, out + t * TILE,
+               tiles * TILE);
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attention.
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+// exp(x) for x <= 0 (and -inf -> 0): Cody-Waite range reduction and a degree-6 polynomial, the same on every lane.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One query row of one head against its visible keys. D must be a multiple of 16.
+template <typename T>
+void attend_row_avx512(const float* query, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
+                       const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
+                       std::vector<float>& scores) {
+  const int64_t n = static_cast<int64_t>(visible.size());
+  const int64_t padded = (n + 15) / 16 * 16;
+  scores.assign(padded, -std::numeric_limits<float>::infinity());
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = keys + visible[j] * key_stride;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + c), load16(key + c), acc);
+    scores[j] = _mm512_reduce_add_ps(acc) * scale;
+    best = std::max(best, scores[j]);
+  }
+  __m512 total = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(best);
+  for (int64_t j = 0; j < padded; j += 16) {
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), shift)));
+    _mm512_storeu_ps(scores.data() + j, p);
+    total = _mm512_add_ps(total, p);
+  }
+  const float inverse = 1.f / _mm512_reduce_add_ps(total);
+  constexpr int MAX_CHUNKS = 32;  // head_dim <= 512
+  __m512 acc[MAX_CHUNKS];
+  const int64_t chunks = d / 16;
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = values + visible[j] * value_stride;
+    const __m512 p = _mm512_set1_ps(scores[j]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + 16 * c), acc[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(inverse);
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-100.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^n: n in [-145, 0] here; build it in two halves so that it stays a normal float or flushes cleanly to 0
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 two_a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 two_b = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, two_a), two_b);
+}
+
+inline float reduce256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+void attend_row_avx2(const float* query, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
+                     const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
+                     std::vector<float>& scores) {
+  const int64_t n = static_cast<int64_t>(visible.size());
+  const int64_t padded = (n + 7) / 8 * 8;
+  scores.assign(padded, -std::numeric_limits<float>::infinity());
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = keys + visible[j] * key_stride;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), load8(key + c), acc);
+    scores[j] = reduce256(acc) * scale;
+    best = std::max(best, scores[j]);
+  }
+  __m256 total = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(best);
+  for (int64_t j = 0; j < padded; j += 8) {
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+    const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + j), shift)));
+    _mm256_storeu_ps(scores.data() + j, p);
+    total = _mm256_add_ps(total, p);
+  }
+  const float inverse = 1.f / reduce256(total);
+  constexpr int MAX_CHUNKS = 64;
+  __m256 acc[MAX_CHUNKS];
+  const int64_t chunks = d / 8;
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = values + visible[j] * value_stride;
+    const __m256 p = _mm256_set1_ps(scores[j]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), acc[c]);
+  }
+  const __m256 inv = _mm256_set1_ps(inverse);
+  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+#pragma GCC pop_options
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+void attend_row_scalar(const float* query, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
+                       const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
+                       std::vector<float>& scores) {
+  const int64_t n = static_cast<int64_t>(visible.size());
+  scores.assign(n, 0.f);
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = keys + visible[j] * key_stride;
+    float acc = 0.f;
+    for (int64_t c = 0; c < d; ++c) acc = std::fma(query[c], to_float(key[c]), acc);
+    scores[j] = acc * scale;
+    best = std::max(best, scores[j]);
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - best));
+  for (int64_t c = 0; c < d; ++c) out[c] = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = values + visible[j] * value_stride;
+    for (int64_t c = 0; c < d; ++c) out[c] = std::fma(scores[j], to_float(value[c]), out[c]);
+  }
+  for (int64_t c = 0; c < d; ++c) out[c] *= 1.f / total;
+}
+
+template <typename T>
+void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+                    const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
+  const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
+  const int64_t hkv = keys.size(1), group = hq / hkv;
+  const bool masked = mask.defined() && mask.numel() > 0;
+  const bool* mask_data = masked ? mask.data_ptr<bool>() : nullptr;
+  const float* query_data = queries.data_ptr<float>();
+  const T* key_data = keys.data_ptr<T>();
+  const T* value_data = values.data_ptr<T>();
+  float* out_data = out.data_ptr<float>();
+  const auto qs = queries.strides(), ks = keys.strides(), vs = values.strides();
+  const int64_t mask_keys = masked ? mask.size(2) : 0;
+  at::parallel_for(0, batch * q * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> visible;
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (q * hkv), i = (item / hkv) % q, h = item % hkv;
+      visible.clear();
+      if (masked) {
+        const bool* row = mask_data + (b * q + i) * mask_keys;
+        for (int64_t j = 0; j < n_keys; ++j)
+          if (row[j]) visible.push_back(j);
+      } else {
+        for (int64_t j = 0; j < n_keys; ++j) visible.push_back(j);
+      }
+      const T* head_keys = key_data + b * ks[0] + h * ks[1];
+      const T* head_values = value_data + b * vs[0] + h * vs[1];
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
+        float* o = out_data + ((b * q + i) * hq + head) * d;
+        if (isa == AVX512 && d % 16 == 0)
+          attend_row_avx512(query, head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o, scores);
+        else if (isa >= AVX2 && d % 8 == 0)
+          attend_row_avx2(query, head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o, scores);
+        else
+          attend_row_scalar(query, head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o, scores);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// queries [B, Hq, q, D] float32 (last dim contiguous), keys/values [B, Hkv, >=n_keys, D] (float32 or bfloat16, last
+// dim contiguous), mask [B, q, >=n_keys] bool or empty (all n_keys visible) -> [B, q, Hq * D] float32.
+torch::Tensor tree_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values, torch::Tensor mask,
+                             int64_t n_keys, double scale, int64_t isa) {
+  TORCH_CHECK(queries.scalar_type() == torch::kFloat32 && queries.stride(3) == 1, "queries: float32, D contiguous");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() && keys.stride(3) == 1 && values.stride(3) == 1,
+              "keys/values: one dtype, D contiguous");
+  TORCH_CHECK(queries.size(1) % keys.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(!mask.defined() || mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.is_contiguous()),
+              "mask: contiguous bool");
+  auto out = torch::empty({queries.size(0), queries.size(2), queries.size(1) * queries.size(3)}, queries.options());
+  if (keys.scalar_type() == torch::kFloat32)
+    attention_impl<float>(queries, keys, values, mask, n_keys, scale, isa, out);
+  else if (keys.scalar_type() == torch::kBFloat16)
+    attention_impl<at::BFloat16>(queries, keys, values, mask, n_keys, scale, isa, out);
+  else
+    TORCH_CHECK(false, "keys/values must be float32 or bfloat16");
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row-wise ops (RMSNorm, gated MLP activations), one fixed vector blocking per row: what a row gets never depends on
+// how many rows there are or where a thread's range starts. The AVX2 code serves AVX-512 machines too.
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+void rms_norm_row_avx2(const float* x, const float* weight, int64_t d, float eps, float* out) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    sum = _mm256_fmadd_ps(v, v, sum);
+  }
+  float total = reduce256(sum);
+  for (; c < d; ++c) total = std::fma(x[c], x[c], total);
+  const float inverse = 1.f / std::sqrt(total / static_cast<float>(d) + eps);
+  const __m256 inv = _mm256_set1_ps(inverse);
+  for (c = 0; c + 8 <= d; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + c), inv), _mm256_loadu_ps(weight + c)));
+  for (; c < d; ++c) out[c] = x[c] * inverse * weight[c];
+}
+
+// silu(g) = g / (1 + exp(-g)); gelu_tanh(g) = g / (1 + exp(-2 * sqrt(2/pi) * (g + 0.044715 g^3))).
+inline __m256 gate256(__m256 g, bool gelu) {
+  __m256 z = g;
+  if (gelu) {
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f), _mm256_fmadd_ps(cube, _mm256_set1_ps(0.044715f), g));
+  }
+  // exp(-z) for z of either sign: exp256 takes x <= 0, so use exp(-|z|) and flip
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 e = exp256(_mm256_or_ps(z, sign));  // exp(-|z|)
+  const __m256 positive = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ);
+  // z >= 0: g / (1 + e); z < 0: g * e / (1 + e)
+  const __m256 ratio = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  return _mm256_blendv_ps(_mm256_mul_ps(ratio, e), ratio, positive);
+}
+
+void glu_row_avx2(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(gate256(_mm256_loadu_ps(gate + c), gelu), _mm256_loadu_ps(up + c)));
+  if (c < n) {  // the tail through the same vector code
+    float g[8] = {0}, u[8] = {0}, o[8];
+    std::memcpy(g, gate + c, (n - c) * 4);
+    std::memcpy(u, up + c, (n - c) * 4);
+    _mm256_storeu_ps(o, _mm256_mul_ps(gate256(_mm256_loadu_ps(g), gelu), _mm256_loadu_ps(u)));
+    std::memcpy(out + c, o, (n - c) * 4);
+  }
+}
+
+#pragma GCC pop_options
+
+void rms_norm_row_scalar(const float* x, const float* weight, int64_t d, float eps, float* out) {
+  float total = 0.f;
+  for (int64_t c = 0; c < d; ++c) total = std::fma(x[c], x[c], total);
+  const float inverse = 1.f / std::sqrt(total / static_cast<float>(d) + eps);
+  for (int64_t c = 0; c < d; ++c) out[c] = x[c] * inverse * weight[c];
+}
+
+void glu_row_scalar(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float g = gate[c];
+    const float z = gelu ? 1.5957691216057308f * std::fma(g * g * g, 0.044715f, g) : g;
+    out[c] = g / (1.f + std::exp(-z)) * up[c];
+  }
+}
+
+}  // namespace
+
+// x [M, d] float32, weight [d] float32 -> x * rsqrt(mean(x^2) + eps) * weight, per row.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be [M, d] float32");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be [d] float32");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t d = x.size(1);
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x.data_ptr<float>() + r * x.stride(0);
+      float* o = out.data_ptr<float>() + r * d;
+      if (isa >= AVX2)
+        rms_norm_row_avx2(row, w, d, static_cast<float>(eps), o);
+      else
+        rms_norm_row_scalar(row, w, d, static_cast<float>(eps), o);
+    }
+  });
+  return out;
+}
+
+// gate_up [M, 2n] float32 (gate, then up) -> act(gate) * up [M, n]; act = silu, or gelu (tanh approximation).
+torch::Tensor glu(torch::Tensor gate_up, bool gelu, int64_t isa) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0,
+              "gate_up must be [M, 2n] float32");
+  const int64_t n = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), n}, gate_up.options());
+  at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = gate_up.data_ptr<float>() + r * gate_up.stride(0);
+      float* o = out.data_ptr<float>() + r * n;
+      if (isa >= AVX2)
+        glu_row_avx2(row, row + n, n, gelu, o);
+      else
+        glu_row_scalar(row, row + n, n, gelu, o);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm per row, rows independent");
+  m.def("glu", &glu, "act(gate) * up per row, rows independent");
+  m.def("quant_linear", &quant_linear, "int4/int8 weights x int8 activations, rows independent");
+  m.def("tree_attention", &tree_attention, "attention over each row's visible keys, rows independent");
+}
