@@ -69,11 +69,10 @@ def test_quantization_error_is_bounded(quant, bound):
     x = torch.randn(12, 128)
     exact = x @ weight.T
     layer = Linear.of(weight, None, quant, torch.float32)
-    for rows in (1, 12):  # the packed kernel (few rows) and the de-quantized dense weights (many rows)
+    for rows in (1, 12):
         out = layer(x[:rows])
         assert (out - exact[:rows]).norm() <= bound * exact[:rows].norm()
-    # both routes compute the same function of the same quantized weights
-    assert torch.allclose(layer(x[:1]), layer(x)[:1], atol=1e-5)
+    assert torch.equal(layer(x[:1]), layer(x)[:1])  # a row's result does not depend on the other rows
 
 
 @pytest.mark.real_model

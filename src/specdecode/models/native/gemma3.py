@@ -8,10 +8,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .llama import Block, LlamaModel
-from .ops import inverse_frequencies, rms_norm
+from .ops import inverse_frequencies
 from .weights import PreparedWeights
 
 KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -26,6 +25,8 @@ class GemmaBlock(Block):
 
 
 class Gemma3Model(LlamaModel):
+    gelu = True
+
     def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
         super().__init__(config, weights, tokenizer, name, eos_ids)
         rope = config.rope_parameters
@@ -40,7 +41,7 @@ class Gemma3Model(LlamaModel):
 
     def _block(self, weights: PreparedWeights, prefix: str) -> GemmaBlock:
         llama = super()._block(weights, prefix)
-        norm = lambda name: _unit_offset(weights.tensor(prefix + name + ".weight"))  # noqa: E731
+        norm = lambda name: _unit_offset(self.param(weights, prefix + name + ".weight"))  # noqa: E731
         return GemmaBlock(
             attn_norm=_unit_offset(llama.attn_norm),
             qkv=llama.qkv,
@@ -56,20 +57,17 @@ class Gemma3Model(LlamaModel):
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
-        return self.embedding[token_ids] * self.embed_scale
+        return self.embedding[token_ids].to(self.dtype) * self.embed_scale
 
     def _layer(self, block: GemmaBlock, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
         attended = self._attention(block, layer, kv, hidden, b, cos, sin, mask)
-        hidden = hidden + rms_norm(attended, block.post_attn_norm, self.eps)
-        return hidden + rms_norm(self._mlp(block, hidden), block.post_mlp_norm, self.eps)
+        hidden = hidden + self.ops.rms_norm(attended, block.post_attn_norm, self.eps)
+        return hidden + self.ops.rms_norm(self._mlp(block, hidden), block.post_mlp_norm, self.eps)
 
     def _qk_norm(self, block: GemmaBlock, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
         hq = self.n_heads
-        return torch.cat([rms_norm(heads[:, :hq], block.q_norm, self.eps), rms_norm(heads[:, hq:], block.k_norm, self.eps)], 1)
-
-    def _mlp(self, block: GemmaBlock, hidden) -> torch.Tensor:
-        gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B*q, I] each
-        return block.down(F.gelu(gate, approximate="tanh") * up)  # [B*q, d]
+        queries = self.ops.rms_norm(heads[:, :hq], block.q_norm, self.eps)
+        return torch.cat([queries, self.ops.rms_norm(heads[:, hq:], block.k_norm, self.eps)], 1)
 
 
 Model = Gemma3Model

@@ -46,7 +46,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.dense is not None:
-            y = F.linear(x.to(self.dense.dtype), self.dense)
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
             y = self.kernels.quant_linear(x.float().contiguous(), self.packed, BITS[self.quant])  # [M, tiles*16]
             if y.shape[1] != self.out_features:

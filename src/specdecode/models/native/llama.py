@@ -1,20 +1,23 @@
 """The Llama architecture (Llama, SmolLM2; Qwen2 = the same with q/k/v biases), written for the engine: pre-norm
 blocks, grouped-query attention with rotary positions, SwiGLU MLP. Positions and the tree mask are arguments; the
-KV cache is the engine's preallocated KVCache; every matmul is a `Linear` in the chosen weight format."""
+KV cache is the engine's preallocated KVCache; every matmul is a `Linear` in the chosen weight format.
+
+With int4/int8 weights the model computes in float32 on specdecode's row-exact kernels (ops.ExactOps): every row of
+a forward is then computed exactly as it would be alone, so verifying a draft tree or a batch of requests gives the
+same bits as decoding one token at a time. Dense weights run on torch's kernels in their dtype."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...cache import KVCache
 from ..base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, place_probes
 from .linear import Linear
 from .weights import PreparedWeights
-from .ops import apply_rotary, attend, inverse_frequencies, rms_norm, rotary
+from .ops import RotaryTable, apply_rotary, inverse_frequencies, row_ops
 
 
 @dataclass
@@ -28,8 +31,12 @@ class Block:
 
 
 class LlamaModel(CausalLM):
+    gelu = False  # the MLP's gate activation: SiLU (Llama), or GELU with the tanh approximation
+
     def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
-        self.name, self.tokenizer, self.dtype, self.quant = name, tokenizer, weights.dtype, weights.quant
+        self.name, self.tokenizer, self.quant = name, tokenizer, weights.quant
+        self.ops = row_ops(exact=self.quant != "none")
+        self.dtype = torch.float32 if self.ops.exact else weights.dtype  # what activations and the KV cache hold
         self.eos_token_ids = frozenset(eos_ids)
         self.n_layers = config.num_hidden_layers
         self.n_heads = config.num_attention_heads
@@ -41,6 +48,7 @@ class LlamaModel(CausalLM):
         self.kinds = {"full": (inverse_frequencies(self.head_dim, _rope_theta(config)), None)}
         self.layer_kinds = ["full"] * self.n_layers
         self.scale = None  # attention scale; None = 1/sqrt(head_dim)
+        self.rotary: dict[str, RotaryTable] = {}  # attention kind -> its table, made on first use
         # tied weights are saved once, under either name
         embed = "model.embed_tokens.weight" if weights.has("model.embed_tokens.weight") else "lm_head.weight"
         head = "lm_head.weight" if weights.has("lm_head.weight") else embed
@@ -50,27 +58,31 @@ class LlamaModel(CausalLM):
             self._block(weights, f"model.layers.{i}.")
             for i in tqdm(range(self.n_layers), desc=f"{name} ({self.quant})", unit="layer", leave=False)
         ]
-        self.norm = weights.tensor("model.norm.weight")  # [d]
+        self.norm = self.param(weights, "model.norm.weight")  # [d]
         self.lm_head = weights.linear("lm_head", [head])
 
     def _block(self, weights: PreparedWeights, prefix: str) -> Block:
         attn = [f"{prefix}self_attn.{p}_proj" for p in "qkv"]
         mlp = [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up")]
         return Block(
-            attn_norm=weights.tensor(prefix + "input_layernorm.weight"),
+            attn_norm=self.param(weights, prefix + "input_layernorm.weight"),
             qkv=weights.linear(prefix + "qkv", [p + ".weight" for p in attn], [p + ".bias" for p in attn]),
             out=weights.linear(prefix + "o", [prefix + "self_attn.o_proj.weight"]),
-            mlp_norm=weights.tensor(prefix + "post_attention_layernorm.weight"),
+            mlp_norm=self.param(weights, prefix + "post_attention_layernorm.weight"),
             gate_up=weights.linear(prefix + "gate_up", mlp),
             down=weights.linear(prefix + "down", [prefix + "mlp.down_proj.weight"]),
         )
+
+    def param(self, weights: PreparedWeights, name: str) -> torch.Tensor:
+        """A small tensor (a norm's weight) in the compute dtype."""
+        return weights.tensor(name).to(self.dtype)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
-        return self.embedding[token_ids]
+        return self.embedding[token_ids].to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
@@ -104,7 +116,7 @@ class LlamaModel(CausalLM):
         """[B, q] tokens at [B, q] positions -> [B, q or 1, V] float32 logits; kv holds the reserved slots;
         masks: attention kind -> [B, q, keys] bool or None."""
         b, q = input_ids.shape
-        rotations = {kind: rotary(positions, freqs, self.dtype) for kind, (freqs, _) in self.kinds.items()}  # [B,1,q,D]
+        rotations = {kind: self._rotary(kind)(positions) for kind in self.kinds}  # kind -> cos, sin [B, 1, q, D]
         if any(probe is not None for probe in probes):
             hidden = place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes).view(b * q, -1)
         else:
@@ -114,8 +126,13 @@ class LlamaModel(CausalLM):
         hidden = hidden.view(b, q, -1)
         if last_only:
             hidden = hidden[:, -1:]
-        logits = self.lm_head(rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
+        logits = self.lm_head(self.ops.rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
         return logits.float().view(b, hidden.shape[1], -1)
+
+    def _rotary(self, kind: str) -> RotaryTable:
+        if kind not in self.rotary:
+            self.rotary[kind] = RotaryTable(self.kinds[kind][0], self.dtype)
+        return self.rotary[kind]
 
     def _layer(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
         hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
@@ -123,19 +140,19 @@ class LlamaModel(CausalLM):
 
     def _attention(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:
         hq, hkv = self.n_heads, self.n_kv_heads
-        qkv = block.qkv(rms_norm(hidden, block.attn_norm, self.eps))  # [B*q, (Hq + 2 Hkv) D]
+        qkv = block.qkv(self.ops.rms_norm(hidden, block.attn_norm, self.eps))  # [B*q, (Hq + 2 Hkv) D]
         heads = qkv.view(b, -1, hq + 2 * hkv, self.head_dim).transpose(1, 2)  # [B, Hq + 2 Hkv, q, D]
         rotated = apply_rotary(self._qk_norm(block, heads[:, : hq + hkv]), cos, sin)  # queries and keys at once
         queries, keys, values = rotated[:, :hq], rotated[:, hq:], heads[:, hq + hkv :]
-        return block.out(attend(kv, layer, queries, keys, values, mask, self.scale))  # [B*q, d]
+        return block.out(self.ops.attend(kv, layer, queries, keys, values, mask, self.scale))  # [B*q, d]
 
     def _qk_norm(self, block: Block, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
         """Per-head normalization of queries and keys before rotary (none in Llama)."""
         return heads
 
     def _mlp(self, block: Block, hidden) -> torch.Tensor:
-        gate, up = block.gate_up(rms_norm(hidden, block.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B*q, I] each
-        return block.down(F.silu(gate) * up)  # [B*q, d]
+        gate_up = block.gate_up(self.ops.rms_norm(hidden, block.mlp_norm, self.eps))  # [B*q, 2I]
+        return block.down(self.ops.glu(gate_up, self.gelu))  # [B*q, d]
 
 
 Model = LlamaModel

@@ -1,26 +1,41 @@
-"""The tensor functions the native model files share: RMSNorm, rotary embeddings, tree attention over a KVCache."""
+"""The tensor functions the native model files share: RMSNorm, rotary embeddings, tree attention over a KVCache,
+gated MLP activations.
+
+Two implementations of the row-wise ones (`RowOps`):
+- TorchOps: torch's kernels, in the model's dtype (dense bfloat16/float32 weights).
+- ExactOps: specdecode's own kernels (kernels/cpu.cpp), float32, each row reduced in a fixed order whatever the
+  other rows are. Together with the quantized linear layers they make an N-row forward (a draft tree, a batch of
+  requests) give bit for bit what N one-row forwards give, so speculative decoding of int4/int8 weights is
+  token-identical to plain decoding of the same weights.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ...cache import KVBatch, KVCache
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [q, d]
-    return F.rms_norm(x, weight.shape, weight, eps)
-
 
 def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:  # [D/2]
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, q, D] for [B, q] query positions (the halves layout: rotate_half pairs i with i + D/2)."""
-    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, q, D/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [B, 1, q, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+class RotaryTable:
+    """cos and sin per position, each computed once (in float64, rounded once) and kept: a position's rotation is
+    then the same numbers in every forward, whatever else is in it (the halves layout: rotate_half pairs i with
+    i + D/2). The table grows by appending the positions it lacks."""
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.dtype = inv_freq.double(), dtype
+        self.cos = self.sin = torch.empty(0, inv_freq.shape[0] * 2, dtype=dtype)  # [P, D]
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, q] -> 2 x [B, 1, q, D]
+        have, top = self.cos.shape[0], int(positions.max()) + 1
+        if top > have:
+            new = torch.arange(have, max(top, 2 * have, 256), dtype=torch.float64)[:, None] * self.inv_freq
+            new = torch.cat([new, new], dim=-1)  # [n, D]
+            self.cos = torch.cat([self.cos, new.cos().to(self.dtype)])
+            self.sin = torch.cat([self.sin, new.sin().to(self.dtype)])
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, H, q, D]
@@ -29,24 +44,59 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def attend(
-    kv: KVCache | KVBatch,
-    layer: int,
-    queries: torch.Tensor,  # [B, Hq, q, D], rotated
-    keys: torch.Tensor,  # [B, Hkv, q, D], rotated
-    values: torch.Tensor,  # [B, Hkv, q, D]
-    mask: torch.Tensor | None,  # [B, q, keys] bool, None = everything visible
-    scale: float | None = None,  # None = 1/sqrt(D)
-) -> torch.Tensor:  # [B*q, Hq*D]
-    """Write the new keys/values into the cache's reserved slots, then attend over all entries so far.
+class TorchOps:
+    """Torch's kernels in the model's dtype."""
 
-    Grouped-query attention without copying keys: the G query heads that share a KV head are stacked as G*q
-    query rows of that head (and the mask's rows repeated G times), so each KV head is read once."""
-    b, hq, q, d = queries.shape
-    hkv = keys.shape[1]
-    group = hq // hkv
-    all_keys, all_values = kv.update(layer, keys, values)  # [B, Hkv, keys, D]
-    stacked = queries.reshape(b, hkv, group * q, d)  # rows g*q + i = query head kv*G + g, query i
-    mask = None if mask is None else mask.repeat(1, group, 1)[:, None]  # [B, 1, G*q, keys]
-    out = F.scaled_dot_product_attention(stacked, all_keys, all_values, attn_mask=mask, scale=scale)  # [B, Hkv, G*q, D]
-    return out.view(b, hq, q, d).transpose(1, 2).reshape(b * q, hq * d)
+    exact = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d]
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2I] -> [M, I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+
+    def attend(self, kv, layer, queries, keys, values, mask, scale=None) -> torch.Tensor:
+        """Write the new keys/values into the cache's reserved slots, then attend over all entries so far.
+
+        Grouped-query attention without copying keys: the G query heads that share a KV head are stacked as G*q
+        query rows of that head (and the mask's rows repeated G times), so each KV head is read once."""
+        b, hq, q, d = queries.shape
+        hkv = keys.shape[1]
+        group = hq // hkv
+        all_keys, all_values = kv.update(layer, keys, values)  # [B, Hkv, keys, D]
+        stacked = queries.reshape(b, hkv, group * q, d)  # rows g*q + i = query head kv*G + g, query i
+        mask = None if mask is None else mask.repeat(1, group, 1)[:, None]  # [B, 1, G*q, keys]
+        out = F.scaled_dot_product_attention(stacked, all_keys, all_values, attn_mask=mask, scale=scale)
+        return out.view(b, hq, q, d).transpose(1, 2).reshape(b * q, hq * d)
+
+
+class ExactOps:
+    """specdecode's kernels, float32, rows independent (see the module docstring)."""
+
+    exact = True
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d]
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        return self.kernels.rms_norm(rows, weight.float().contiguous(), eps).view(x.shape)
+
+    def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2I] -> [M, I]
+        return self.kernels.glu(gate_up.contiguous(), gelu)
+
+    def attend(self, kv, layer, queries, keys, values, mask, scale=None) -> torch.Tensor:
+        b, hq, q, d = queries.shape
+        all_keys, all_values = kv.update(layer, keys, values)  # [B, Hkv, keys, D]
+        scale = d**-0.5 if scale is None else scale
+        out = self.kernels.tree_attention(queries.contiguous(), all_keys, all_values, mask, all_keys.shape[2], scale)
+        return out.view(b * q, hq * d)  # [B*q, Hq*D]
+
+
+def row_ops(exact: bool) -> TorchOps | ExactOps:
+    """ExactOps where asked and the kernels build on this machine, else TorchOps."""
+    from ... import kernels
+
+    native = kernels.native() if exact else None
+    return ExactOps(native) if native is not None else TorchOps()

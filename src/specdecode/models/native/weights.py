@@ -12,7 +12,7 @@ import torch
 
 from .linear import GROUP, Linear, prepare
 
-FORMAT = 1  # bump when prepare() changes what it stores
+FORMAT = 2  # bump when prepare() changes what it stores
 
 
 class SafetensorsWeights(Mapping):

@@ -1,0 +1,147 @@
+"""Row-exact verification: with int4/int8 weights (specdecode's kernels), a forward over N rows (a draft tree, a
+batch of requests) gives bit for bit what N one-row forwards give, on the real SmolLM2 weights; and the kernels
+themselves compute the right numbers, the same on every code path (AVX-512 VNNI, AVX2, scalar)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode import kernels
+from specdecode.cache import KVPool
+from specdecode.models.base import prefill, tree_request
+from specdecode.models.loading import load_model
+from specdecode.models.native.linear import Linear, dequantize
+from specdecode.tree import Draft, ancestor_mask, with_root
+
+pytestmark = pytest.mark.skipif(kernels.native() is None, reason="the kernels cannot be built here")
+PATHS = [isa for isa in kernels.ISAS if kernels._ISA_FLAGS[isa] <= kernels.cpu_flags()]
+
+
+def on(isa: str) -> kernels.Kernels:
+    return kernels.Kernels(kernels.native().module, isa)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_quantized_linear_is_exact_per_row_and_path(quant):
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(72, 96) * 0.05, torch.randn(72), torch.randn(11, 96)  # N not a multiple of 16
+    layer = Linear.of(weight, bias, quant, torch.float32)
+    y = layer(x)  # [11, 72]
+    # the function: de-quantized weights times the input, up to the int8 rounding of the activations
+    reference = x @ dequantize(layer.packed, quant)[:72].T + bias
+    assert (y - reference).norm() <= 0.01 * reference.norm()
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(11)]))
+    bits = 8 if quant == "int8" else 4
+    outputs = [on(isa).quant_linear(x, layer.packed, bits) for isa in PATHS]
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:]), f"paths {PATHS} disagree"
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
+    torch.manual_seed(1)
+    b, hq, hkv, q, d, keys = 2, 6, 2, 5, 32, 30
+    queries = torch.randn(b, hq, q, d)
+    k_cache, v_cache = torch.randn(b, hkv, 40, d).to(kv_dtype), torch.randn(b, hkv, 40, d).to(kv_dtype)
+    mask = torch.rand(b, q, keys) > 0.4
+    mask[..., 0] = True
+    out = on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, 0.2)  # [B, q, Hq*D]
+    expected = F.scaled_dot_product_attention(
+        queries, k_cache[:, :, :keys].float().repeat_interleave(3, 1), v_cache[:, :, :keys].float().repeat_interleave(3, 1),
+        attn_mask=mask[:, None], scale=0.2,
+    ).transpose(1, 2).reshape(b, q, hq * d)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    # a row alone, over only its visible keys compacted (what a one-row decode step sees): the same bits
+    for row, i in [(0, 0), (1, 3)]:
+        visible = mask[row, i].nonzero()[:, 0]
+        alone = on(isa).tree_attention(
+            queries[row : row + 1, :, i : i + 1].contiguous(), k_cache[row : row + 1, :, visible].contiguous(),
+            v_cache[row : row + 1, :, visible].contiguous(), None, len(visible), 0.2,
+        )
+        assert torch.equal(alone[0, 0], out[row, i])
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_row_ops_match_torch_and_are_exact_per_row(isa):
+    torch.manual_seed(2)
+    x, weight, gate_up = torch.randn(6, 200) * 3, torch.randn(200), torch.randn(6, 2 * 75) * 4
+    ops = on(isa)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), F.rms_norm(x, (200,), weight, 1e-6))
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6)[2:3], ops.rms_norm(x[2:3], weight, 1e-6))
+    gate, up = gate_up.chunk(2, -1)
+    for gelu, act in [(False, F.silu(gate)), (True, F.gelu(gate, approximate="tanh"))]:
+        torch.testing.assert_close(ops.glu(gate_up, gelu), act * up, atol=1e-5, rtol=1e-5)
+        assert torch.equal(ops.glu(gate_up, gelu)[4:5], ops.glu(gate_up[4:5], gelu))
+
+
+# --- the whole model, real weights ---------------------------------------------------------------------------------
+
+TREE = Draft(torch.tensor([28, 253, 314, 1099, 17, 42, 9]), torch.tensor([-1, 0, 1, -1, 3, 3, 5]))
+
+
+def one_row_logits(model, prompt: list[int], path: list[int]) -> torch.Tensor:
+    """The logits after `path`, decoding it one token per forward after the prompt (plain decoding's forwards)."""
+    cache = model.new_cache(len(prompt) + len(path) + 1)
+    prefill(model, cache, prompt)
+    for token in path:
+        logits = model.forward(cache, torch.tensor([token]), torch.tensor([cache.length]), torch.ones(1, 1, dtype=torch.bool))
+        cache.commit_all()
+    return logits[0]
+
+
+def node_paths(draft: Draft, root: int) -> list[list[int]]:
+    """[root, ..., node] for the root and every node."""
+    parents = with_root(draft.parents).tolist()
+    tokens = [root] + draft.tokens.tolist()
+    paths = []
+    for node in range(len(tokens)):
+        path, at = [], node
+        while at >= 0:
+            path.append(tokens[at])
+            at = parents[at]
+        paths.append(path[::-1])
+    return paths
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized_smollm2(request, smollm2):
+    return load_model("smollm2-135m-instruct", "bfloat16", quant=request.param)
+
+
+@pytest.mark.real_model
+def test_a_tree_forward_equals_one_row_forwards_bit_for_bit(quantized_smollm2):
+    model = quantized_smollm2
+    assert model.ops.exact
+    prompt = model.tokenizer("def fibonacci(n):\n    ")["input_ids"]
+    cache = model.new_cache(len(prompt) + 16)
+    prefill(model, cache, prompt[:-1])
+    tree_logits = tree_request(cache, prompt[-1], TREE).run(model)  # [N+1, V]
+    for node, path in enumerate(node_paths(TREE, prompt[-1])):
+        assert torch.equal(tree_logits[node], one_row_logits(model, prompt[:-1], path)), f"node {node} differs"
+
+
+@pytest.mark.real_model
+def test_a_batch_of_requests_equals_each_row_alone_bit_for_bit(quantized_smollm2):
+    model = quantized_smollm2
+    prompts = [model.tokenizer(text)["input_ids"] for text in ("Paris is", "import numpy as np\n", "1, 2, 3, 4,")]
+    drafts = [Draft.chain([5, 6]), TREE, Draft.empty()]
+    pool = KVPool()
+    caches = []
+    for prompt in prompts:
+        cache = model.new_cache(len(prompt) + 16)
+        prefill(model, cache, prompt[:-1])
+        pool.adopt(cache)
+        caches.append(cache)
+    batched = model.forward_batch([tree_request(c, p[-1], d) for c, p, d in zip(caches, prompts, drafts)])
+    for logits, prompt, draft in zip(batched, prompts, drafts):
+        for node, path in enumerate(node_paths(draft, prompt[-1])):
+            assert torch.equal(logits[node], one_row_logits(model, prompt[:-1], path))
+
+
+def test_tree_masks_used_here_are_ancestor_masks():
+    """The helper's paths agree with the engine's tree mask (a check on the test itself)."""
+    mask = ancestor_mask(with_root(TREE.parents))
+    for node, path in enumerate(node_paths(TREE, 0)):
+        assert int(mask[node].sum()) == len(path)
