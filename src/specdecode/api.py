@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .engine import Stats, decode, generate
+from .governor import Governor
 from .errors import SpecDecodeError
 from .models.base import CausalLM
 from .models.loading import load_model
@@ -42,6 +43,7 @@ class SpecDecoder:
         backend: str = "auto",
         quant: str = "none",
         draft_quant: str | None = None,  # the draft model's weights (default: quant); the output does not depend on it
+        governor: bool = True,  # run plain steps where speculation does not pay (see governor.py)
         **drafter_options,
     ):
         self.target = load_model(model, dtype, backend, quant)
@@ -50,6 +52,7 @@ class SpecDecoder:
             draft_model, dtype, backend, quant if draft_quant is None else draft_quant
         )
         self.drafter_options = drafter_options
+        self.governed = governor
         self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer
 
@@ -57,6 +60,10 @@ class SpecDecoder:
         """A drafter with its own per-request state (models are shared), for concurrent requests; without options,
         the tuned profile's (-o profile=none: the drafter's defaults)."""
         return tuned_drafter(self.drafter_name, self.target, draft_model=self.draft_model, **self.drafter_options)
+
+    def governor(self) -> Governor | None:
+        """A fresh governor for one generation (none for plain decoding, or when turned off)."""
+        return Governor() if self.governed and self.drafter.max_nodes else None
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt: ids as they are, text, or chat messages (with the model's chat template)."""
@@ -75,7 +82,8 @@ class SpecDecoder:
         """Yield each step's new tokens with the text they complete; pass a Stats to read statistics afterwards."""
         ids = self.encode(prompt, chat)
         text = TextAssembler(self.tokenizer)
-        for step in decode(self.target, self.drafter, ids, max_new_tokens, SamplingParams(**sampling), stats):
+        params = SamplingParams(**sampling)
+        for step in decode(self.target, self.drafter, ids, max_new_tokens, params, stats, governor=self.governor()):
             yield Chunk(text.add(step), step)
         rest = text.flush()
         if rest:
@@ -83,7 +91,8 @@ class SpecDecoder:
 
     def generate(self, prompt, max_new_tokens: int = 128, chat: bool = False, **sampling) -> Result:
         ids = self.encode(prompt, chat)
-        tokens, stats = generate(self.target, self.drafter, ids, max_new_tokens, SamplingParams(**sampling))
+        params = SamplingParams(**sampling)
+        tokens, stats = generate(self.target, self.drafter, ids, max_new_tokens, params, governor=self.governor())
         return Result(self.decode_text(tokens), tokens, stats)  # no per-step detokenizing inside the timing
 
     def decode_text(self, tokens: list[int]) -> str:

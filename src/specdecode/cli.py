@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--repeats", type=int, default=3, help="timed forwards per size (the fastest counts)")
     tune.set_defaults(run=cmd_tune)
 
+    cost = sub.add_parser("cost", help="this CPU, the kernels chosen, and a target forward's cost per scored rows")
+    cost.add_argument("--model", required=True)
+    add_weights_args(cost)
+    cost.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached curve")
+    cost.add_argument("--json", action="store_true", help="print one JSON object")
+    cost.set_defaults(run=cmd_cost)
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
@@ -128,6 +135,10 @@ def add_model_args(parser: argparse.ArgumentParser, model_required: bool = True)
     parser.add_argument(
         "-o", "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
         help="drafter option, e.g. -o depth=5 -o topk=2 (repeatable)",
+    )
+    parser.add_argument(
+        "--no-governor", dest="governor", action="store_false",
+        help="speculate at every step (default: run plain steps while speculation does not pay on this machine)",
     )
     add_weights_args(parser)
 
@@ -180,7 +191,7 @@ def decoder_from_args(args):
     check_drafter_name(args.drafter)  # before the slow model load
     return SpecDecoder(
         args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant,
-        draft_quant=args.draft_quant, **options
+        draft_quant=args.draft_quant, governor=args.governor, **options
     )
 
 
@@ -331,6 +342,29 @@ def cmd_tune(args) -> int:
         print(f"{name:12} {options:50} estimated {entry['estimated_speedup']:.2f}x plain decoding")
     print(f"profile saved to {save_profile(target, profile)} (used when no drafter options are given; "
           "-o profile=none skips it)")
+    return 0
+
+
+def cmd_cost(args) -> int:
+    from .models.loading import load_model
+    from .tune.machine import cost_report, curve_path
+
+    target = load_model(args.model, args.dtype, args.backend, args.quant)
+    report = cost_report(target, refresh=args.refresh)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    cpu, kernels = report["cpu"], report["kernels"]
+    print(f"cpu: {cpu['model']}, {cpu['threads']} threads, flags: {' '.join(cpu['flags']) or '(none of interest)'}")
+    print(f"bfloat16: {cpu['bfloat16']}; kernel path: {cpu['isa']}")
+    for role, what in kernels.items():
+        print(f"{role}: {what}")
+    print(f"{target.name} ({target.quant}, {str(target.dtype).removeprefix('torch.')}), forward after "
+          f"{report['context']} tokens:")
+    print("| rows | ms | x one row |\n|---:|---:|---:|")
+    for point in report["curve"]:
+        print(f"| {point['rows']} | {point['ms']:.1f} | {point['ratio']:.2f} |")
+    print(f"cached in {curve_path(target)} (--refresh measures again)")
     return 0
 
 

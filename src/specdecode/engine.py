@@ -16,8 +16,10 @@ import torch
 
 from .drafters import Drafter
 from .errors import SpecDecodeError
+from .governor import Governor
 from .models.base import CausalLM, ForwardRequest, HiddenStates, prefill, tree_request
 from .sampling import SamplingParams, sample, probs_from_logits
+from .tree import Draft, depths
 from .verify import Verifier, verifier_for
 
 
@@ -34,6 +36,7 @@ class Stats:
     seconds: float = 0.0
     finish_reason: str = ""
     accepted_per_step: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # steps the governor ran without drafting (speculation did not pay then)
 
     @property
     def tau(self) -> float:
@@ -78,9 +81,10 @@ def decode(
     params: SamplingParams,
     stats: Stats | None = None,
     verifier: Verifier | None = None,
+    governor: Governor | None = None,
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each step; `stats` (if given) is filled in as decoding goes."""
-    steps = decode_steps(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier)
+    steps = decode_steps(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier, governor)
     item = next(steps, None)
     while item is not None:
         if isinstance(item, ForwardRequest):
@@ -101,9 +105,11 @@ def decode_steps(
     params: SamplingParams,
     stats: Stats | None = None,
     verifier: Verifier | None = None,
+    governor: Governor | None = None,
 ) -> Generator[Step, torch.Tensor | None, None]:
     """The decode loop: yields each step's new tokens, and before each verification a ForwardRequest, which the
-    driver answers by sending its [N+1, V] target logits."""
+    driver answers by sending its [N+1, V] target logits. With a governor, steps where speculation does not pay
+    run plain: the drafter is not asked (its commit gets the empty draft, as for a draft trimmed to nothing)."""
     check_prompt(target, len(prompt_ids), max_new_tokens)
     if not params.greedy and not drafter.supports_sampling:
         raise SpecDecodeError(f"drafter '{drafter.name}' supports greedy decoding only.", "Use --temperature 0.")
@@ -136,9 +142,15 @@ def decode_steps(
         remaining = max_new_tokens - stats.new_tokens
 
         t0 = time.perf_counter()
-        draft = drafter.propose(context, params, generator)
-        assert len(draft) <= drafter.max_nodes, f"drafter '{drafter.name}' sent {len(draft)} > max_nodes nodes"
-        draft = draft.depth_limited(remaining - 1)  # may trim the draft: commit gets the trimmed one
+        cap = governor.plan() if governor is not None else None
+        if cap == 0:
+            draft = Draft.empty()
+            stats.plain_steps += 1
+        else:
+            draft = drafter.propose(context, params, generator)
+            assert len(draft) <= drafter.max_nodes, f"drafter '{drafter.name}' sent {len(draft)} > max_nodes nodes"
+        limit = remaining - 1 if cap is None else min(cap, remaining - 1)
+        draft = draft.depth_limited(limit)  # may trim the draft: commit gets the trimmed one
         t1 = time.perf_counter()
         request = tree_request(cache, context[-1], draft, hidden_layers)
         target_logits = yield request  # [N+1, V], sent by the driver
@@ -151,6 +163,9 @@ def decode_steps(
         drafter.commit(verdict, draft, target_logits)
         t3 = time.perf_counter()
 
+        if governor is not None:
+            depth = int(depths(draft.parents).max()) if len(draft) else 0
+            governor.record(t3 - t0, len(verdict.new_tokens), depth, cap)
         stats.draft_seconds += (t1 - t0) + (t3 - t2)
         stats.verify_seconds += t2 - t1
         stats.target_forwards += 1
@@ -172,7 +187,10 @@ def _finish(new: list[int], eos: frozenset[int], room: int, stats: Stats) -> lis
     return new[:room]
 
 
-def generate(target, drafter, prompt_ids, max_new_tokens, params, verifier=None) -> tuple[list[int], Stats]:
+def generate(
+    target, drafter, prompt_ids, max_new_tokens, params, verifier=None, governor: Governor | None = None
+) -> tuple[list[int], Stats]:
     stats = Stats()
-    tokens = [t for step in decode(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier) for t in step]
+    steps = decode(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier, governor)
+    tokens = [t for step in steps for t in step]
     return tokens, stats

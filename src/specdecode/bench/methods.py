@@ -18,6 +18,7 @@ import torch
 from ..drafters import DRAFTERS
 from ..drafters.base import parse_options
 from ..engine import generate
+from ..governor import Governor
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
@@ -33,14 +34,18 @@ class Method(ABC):
 
 
 class EngineMethod(Method):
-    def __init__(self, label: str, target: CausalLM, drafter):
+    def __init__(self, label: str, target: CausalLM, drafter, governed: bool = True):
         self.label, self.target, self.drafter = label, target, drafter
+        self.governed = governed and drafter.max_nodes > 0  # as the API runs it: plain steps where drafting loses
 
     def run(self, prompt_ids, max_new_tokens, params):
-        tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params)
+        governor = Governor() if self.governed else None
+        tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params, governor=governor)
         record = stats.as_dict()
         record["token_ids"] = tokens
-        record["options"] = dict(self.drafter.options, tuned=self.drafter.tuned)
+        record["options"] = dict(
+            self.drafter.options, tuned=self.drafter.tuned, sized=self.drafter.sized, governor=self.governed
+        )
         return record
 
 
@@ -115,9 +120,10 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
             "llama.cpp-pld.",
         )
     options = parse_options(option_pairs)
+    governed = bool(options.pop("governor", True))  # +governor=false: speculate at every step
     draft = load(draft_model, weights or None, draft=True) if draft_model else None
     drafter = tuned_drafter(name, target, draft_model=draft, **options)
-    return EngineMethod(spec, target, drafter)
+    return EngineMethod(spec, target, drafter, governed)
 
 
 def _transformers_method(spec: str, head: str, target: CausalLM, load) -> Method:

@@ -126,11 +126,13 @@ def _options_section(records) -> list[str]:
             seen.setdefault(record["method"], record["options"])
     if not seen:
         return []
-    lines = ["", "Drafter options in effect (tuned: taken from the `specdecode tune` profile of this target):", "",
-             "| Method | options | source |", "|---|---|---|"]
+    lines = ["", "Drafter options in effect (tuned: the `specdecode tune` profile of this target; sized: set from this "
+             "machine's forward-cost curve, `specdecode cost`; governor: plain steps where speculation did not pay):",
+             "", "| Method | options | source | governor |", "|---|---|---|---|"]
     for method, options in seen.items():
-        chosen = {key: value for key, value in options.items() if key != "tuned"}
+        chosen = {key: value for key, value in options.items() if key not in ("tuned", "sized", "governor")}
         shown = " ".join(f"{key}={value}" for key, value in chosen.items()) or "(defaults)"
-        source = "tuned profile" if options.get("tuned") else "given" if chosen else "defaults"
-        lines.append(f"| {method} | {shown} | {source} |")
+        source = ("tuned profile" if options.get("tuned") else "sized from the cost curve" if options.get("sized")
+                  else "given" if chosen else "defaults")
+        lines.append(f"| {method} | {shown} | {source} | {'on' if options.get('governor') else 'off'} |")
     return lines

@@ -48,10 +48,14 @@ class Drafter(ABC):
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
     tuned: bool = False  # True when those options came from the tuned profile (set by tune.profile.tuned_drafter)
+    sized: bool = False  # True when its size options came from this machine's cost curve (idem)
     # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
     variants: ClassVar[tuple[dict, ...]] = ({},)
     # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.
     tune_grid: ClassVar[tuple[dict, ...]] = ()
+    # The options that size a draft, by role: "depth" (longest chain) or "nodes" (tree size). Untuned, they are set
+    # from this machine's forward-cost curve (tune.machine.sized_options), not from the numbers in the signature.
+    sizes: ClassVar[dict[str, str]] = {}
     # The target's hidden states this drafter reads (models.base.HiddenStates numbering: layer i's input, 0 = the
     # embeddings, target.n_layers = the last layer's output before the final norm; EAGLE-3: 2, L//2, L-3). Empty:
     # the target computes and keeps nothing extra.

@@ -22,6 +22,7 @@ from .tree_growth import TreeGrowth, TreeStrategy
 
 @register("draft")
 class DraftModelDrafter(Drafter):
+    sizes = {"depth": "depth", "budget": "nodes"}
     needs_draft_model = True
     variants = (
         {}, {"depth": 3, "topk": 1}, {"depth": 3, "topk": 3, "budget": 7}, {"depth": 1, "topk": 1},

@@ -28,6 +28,7 @@ from .base import Drafter, register
 
 @register("esp")
 class EmbeddingProbeDrafter(Drafter):
+    sizes = {"budget": "nodes"}
     variants = ({}, {"probes": 2, "topk": 2, "budget": 3}, {"probe": "nearest"})
 
     def __init__(self, target, probes: int = 4, topk: int = 2, budget: int = 8, probe: str = "mean"):

@@ -26,6 +26,7 @@ from .token_recycling import TokenRecyclingDrafter, parse_template
 
 @register("goose")
 class GooseDrafter(TokenRecyclingDrafter):
+    sizes = {"spine": "depth", "max_nodes": "nodes"}
     variants = ({}, {"spine": 3, "branching": "1", "max_nodes": 6}, {"branching": "2,2", "fallback": "2,1", "k": 2})
     tune_grid = ({"max_nodes": 6}, {"max_nodes": 8}, {"max_nodes": 10}, {"spine": 6, "branching": "1", "max_nodes": 8},
                  {"max_nodes": 24, "branching": "2,2", "fallback": "4,2,2,1,1,1,1"})

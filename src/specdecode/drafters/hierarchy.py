@@ -17,6 +17,7 @@ from .ngram_table import NgramTable, read_corpus
 
 @register("hierarchy")
 class HierarchyDrafter(Drafter):
+    sizes = {"length": "depth"}
     variants = ({}, {"guess": 7, "length": 2})
     tune_grid = ({"guess": 1}, {"guess": 1, "length": 6}, {"guess": 4}, {"guess": 7})
 

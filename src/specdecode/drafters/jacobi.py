@@ -41,6 +41,7 @@ def coupled_draw(token: int, draft_row: torch.Tensor | None, target_probs: torch
 
 @register("jacobi")
 class JacobiDrafter(Drafter):
+    sizes = {"window": "depth"}
     variants = ({}, {"window": 2})
 
     def __init__(self, target, window: int = 6):

@@ -15,6 +15,7 @@ from .ngram_table import suffix_matches
 
 @register("pld")
 class PromptLookupDrafter(Drafter):
+    sizes = {"k": "depth"}
     variants = ({}, {"branches": 3, "k": 4}, {"max_ngram": 1, "k": 2})
     tune_grid = ({"k": 2}, {"k": 4}, {"k": 4, "branches": 2}, {"k": 8, "branches": 2}, {"k": 16})
 

@@ -87,8 +87,8 @@ class TreeStrategy:
 
     def update(self, verdict: Verdict, draft: Draft) -> None:
         """Let the length policy learn from the verdict on a draft this strategy grew."""
-        drafted_depth = int(depths(draft.parents).max()) if len(draft) else 0
-        self.length.update(len(verdict.accepted), drafted_depth)
+        if len(draft):  # an empty draft (trimmed, or a step the engine ran plain) tells nothing about depth
+            self.length.update(len(verdict.accepted), int(depths(draft.parents).max()))
 
 
 class TreeGrowth:

@@ -44,16 +44,21 @@ def candidates_for(name: str) -> list[dict]:
     return grid
 
 
-def verify_curve(target: CausalLM, context: list[int], max_tokens: int, repeats: int, bar) -> dict[int, float]:
-    """Seconds of one target forward over q = 1..max_tokens new tokens after `context`. Each size keeps its
-    fastest of `repeats` forwards, the sizes taken in turn so that a burst of other work on the machine spreads
-    over them; then a size never counts as slower than any larger one (more tokens cannot cost less)."""
+def verify_curve(
+    target: CausalLM, context: list[int], max_tokens: int, repeats: int, bar, sizes: list[int] | None = None
+) -> dict[int, float]:
+    """Seconds of one target forward over q new tokens after `context`, for q in `sizes` (default 1..max_tokens).
+    Each size keeps its fastest of `repeats` forwards, the sizes taken in turn so that a burst of other work on the
+    machine spreads over them; then a size never counts as slower than any larger one (more tokens cannot cost
+    less)."""
+    sizes = sorted(sizes or range(1, max_tokens + 1))
+    max_tokens = sizes[-1]
     cache = target.new_cache(len(context) + max_tokens)
     prefill(target, cache, context)
     ids = torch.tensor((context * (max_tokens // len(context) + 1))[:max_tokens])  # [max_tokens]
     positions = torch.arange(len(context), len(context) + max_tokens)
     causal = torch.ones(max_tokens, max_tokens, dtype=torch.bool).tril()
-    fastest = {q: float("inf") for q in range(1, max_tokens + 1)}
+    fastest = {q: float("inf") for q in sizes}
     for _ in range(repeats):
         for q in fastest:
             start = time.perf_counter()
@@ -61,8 +66,8 @@ def verify_curve(target: CausalLM, context: list[int], max_tokens: int, repeats:
             fastest[q] = min(fastest[q], time.perf_counter() - start)
             cache.discard()
             bar.update()
-    for q in range(max_tokens - 1, 0, -1):
-        fastest[q] = min(fastest[q], fastest[q + 1])
+    for smaller, larger in zip(sizes[-2::-1], sizes[:0:-1]):
+        fastest[smaller] = min(fastest[smaller], fastest[larger])
     return fastest
 
 

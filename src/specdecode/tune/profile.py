@@ -54,13 +54,27 @@ def check_profile(profile: str) -> None:
 
 
 def tuned_drafter(name: str, target, draft_model=None, profile: str = "auto", **options):
-    """build_drafter, with the options saved for this drafter, target and draft model when none are given."""
+    """build_drafter, with the options saved for this drafter, target and draft model when none are given; with
+    none saved either, its size options set from this machine's forward-cost curve (measured once and cached)."""
     check_drafter_name(name)
     check_profile(profile)
     tuned = {} if options else tuned_options(name, target, draft_model, profile)
-    drafter = build_drafter(name, target, draft_model, **(options or tuned))
+    sized = {} if options or tuned or profile == "none" else machine_sized_options(name, target)
+    drafter = build_drafter(name, target, draft_model, **(options or tuned or sized))
     drafter.tuned = bool(tuned)
+    drafter.sized = bool(sized)
     return drafter
+
+
+def machine_sized_options(name: str, target) -> dict:
+    """The drafter's size options from the cost curve of this machine and target (tune.machine)."""
+    from ..drafters import DRAFTERS
+    from .machine import cost_report, seconds_by_rows, sized_options
+
+    cls = DRAFTERS[name]
+    if not cls.sizes:
+        return {}
+    return sized_options(cls, seconds_by_rows(cost_report(target)))
 
 
 def tuned_options(name: str, target, draft_model, profile: str) -> dict:

@@ -1,0 +1,78 @@
+"""Speculate only while it pays: an online guard that keeps speculative decoding from ever being much slower than
+plain decoding on the machine at hand.
+
+Speculation pays when the tokens a step yields outweigh what the step costs (drafting plus verifying N+1 rows)
+against a one-token step. Both sides change with the text (a copy-heavy passage, a creative one), the machine and
+the load, so the governor measures them while decoding: the rate of recent speculative steps (tokens per second,
+drafting included) against the rate of plain one-token steps. When speculation loses, it first caps the draft's
+depth (shorter drafts cost fewer rows), then rests the drafter (plain steps, no drafting at all) and probes again
+with one-token drafts after a pause that doubles while speculation keeps losing; drafts grow back twice as deep
+after every few winning windows. No anchor system does this (llama.cpp has only
+--draft-min); the output never depends on it (every step is verified the same way).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Governor:
+    margin: float = 0.97  # speculation must reach this share of plain decoding's rate
+    window: int = 6  # speculative steps judged together
+    first_rest: int = 8  # plain steps after the first loss; doubles on each further loss
+    max_rest: int = 64
+    refresh: int = 48  # one plain step every `refresh` speculative ones keeps the plain rate current
+    plain_rate: float | None = None  # tokens per second of a one-token step (EWMA)
+    cap: int | None = None  # the current draft depth cap; None = the drafter's own
+    rest: int = 0  # plain steps left before speculating again
+    next_rest: int = 0
+    since_plain: int = 0
+    full_depth: int = 0  # the deepest draft seen without a cap
+    wins: int = 0  # winning windows in a row under the current cap
+    grow_after: int = 2  # winning windows under a cap before trying twice as deep
+    recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
+
+    def __post_init__(self):
+        self.next_rest = self.first_rest
+        self.rest = 2  # measure the plain rate first
+
+    def plan(self) -> int | None:
+        """This step's draft depth cap: 0 = a plain step (no drafting), None = no cap."""
+        if self.rest > 0 or self.since_plain >= self.refresh:
+            return 0
+        return self.cap
+
+    def record(self, seconds: float, tokens: int, depth: int, planned: int | None) -> None:
+        """A step ran as planned: it took `seconds` (drafting and verifying) and yielded `tokens`; its draft was
+        `depth` deep."""
+        if planned == 0:
+            self.rest = max(self.rest - 1, 0)
+            self.since_plain = 0
+            rate = tokens / max(seconds, 1e-9)
+            self.plain_rate = rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
+            return
+        self.since_plain += 1
+        if planned is None:
+            self.full_depth = max(self.full_depth, depth)
+        self.recent.append((seconds, tokens, depth))
+        if len(self.recent) < self.window or self.plain_rate is None:
+            return
+        seconds_sum = sum(s for s, _, _ in self.recent)
+        rate = sum(t for _, t, _ in self.recent) / max(seconds_sum, 1e-9)
+        deepest = max(d for _, _, d in self.recent)
+        self.recent.clear()
+        if rate >= self.margin * self.plain_rate:
+            self.next_rest = self.first_rest
+            self.wins += 1
+            if self.cap is not None and self.wins >= self.grow_after:  # winning under a cap for a while: go deeper
+                self.cap = None if self.cap * 2 >= self.full_depth else self.cap * 2
+                self.wins = 0
+            return
+        self.wins = 0
+        if deepest > 1:  # losing: shorter drafts first
+            self.cap = max(1, deepest // 2)
+            return
+        self.rest, self.cap = self.next_rest, 1  # even one drafted token does not pay: rest, then probe short drafts
+        self.next_rest = min(2 * self.next_rest, self.max_rest)

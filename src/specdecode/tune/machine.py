@@ -1,0 +1,134 @@
+"""What this machine makes of a target: the CPU's capability, the kernels that run, and the cost of one target
+forward per number of scored rows (`specdecode cost`). Cached per machine, model and weight format.
+
+The curve sizes drafts where nobody tuned them: `sized_options` picks the chain depth and the tree size that
+maximize E[tokens per step] / t_verify(rows) under a generic acceptance model (Sequoia's objective, Chen et al.,
+2024), so a drafter's defaults follow the hardware (a flat curve affords deep trees, a steep one short chains)
+instead of numbers fixed in code. `specdecode tune` refines this with measured acceptance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import kernels
+from ..models.packaged import cache_root
+from ..tree import sequoia_tree
+from .cost import verify_seconds
+
+ROWS = (1, 2, 4, 8, 16, 32)
+CONTEXT = 300  # tokens before the measured forwards
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+         "amx_int8")
+# The generic acceptance model behind the sized defaults: a chain's next token is accepted with CHAIN_ACCEPT; in a
+# tree, a node's r-th ranked child is the accepted one with TREE_ACCEPT[r] (Sequoia's default shape).
+CHAIN_ACCEPT = 0.6
+TREE_ACCEPT = (0.6, 0.12, 0.05, 0.03)
+
+
+def capability() -> dict:
+    """The CPU: model, threads torch uses, the flags that matter here, and how bfloat16 runs."""
+    flags = kernels.cpu_flags()
+    return {
+        "model": kernels.cpu_model(),
+        "threads": torch.get_num_threads(),
+        "flags": [flag for flag in FLAGS if flag in flags],
+        "bfloat16": "native" if {"avx512_bf16", "amx_bf16"} & flags else "emulated (no AVX512_BF16/AMX)",
+        "isa": kernels.best_isa(),
+    }
+
+
+def kernels_in_use(target) -> dict:
+    """Which kernels a target's forward runs."""
+    ops = getattr(target, "ops", None)
+    if ops is not None and ops.exact:
+        return {
+            "linear": f"specdecode {target.quant} x int8 ({ops.kernels.isa})",
+            "attention": f"specdecode tree attention ({ops.kernels.isa})",
+            "rows": "bit-exact: an N-row forward equals N one-row forwards",
+        }
+    quantized = target.quant != "none"
+    return {
+        "linear": f"torch ({'dequantized ' if quantized else ''}{str(target.dtype).removeprefix('torch.')})",
+        "attention": "torch scaled_dot_product_attention",
+        "rows": "rounding may differ between an N-row and a one-row forward",
+        "note": kernels.status() if quantized else "dense weights run on torch's kernels",
+    }
+
+
+def curve_path(target) -> Path:
+    cpu = capability()
+    machine = f"{cpu['model']}:{','.join(cpu['flags'])}:{cpu['threads']}:{cpu['isa']}:{torch.__version__}"
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:12]
+    key = f"{target.name}-{str(target.dtype).removeprefix('torch.')}-{target.quant}-{type(target).__name__}-{digest}"
+    return cache_root() / "cost" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")
+
+
+def context_ids(tokenizer, length: int = CONTEXT) -> list[int]:
+    """About `length` tokens of the shipped tuning prompts (never Spec-Bench)."""
+    from .measure import tune_prompts
+
+    ids: list[int] = []
+    for prompt in tune_prompts(tokenizer):
+        ids += prompt
+        if len(ids) >= length:
+            break
+    return (ids * (length // max(len(ids), 1) + 1))[:length]
+
+
+def measure(target, repeats: int = 3) -> dict:
+    """The report `specdecode cost` prints: cpu, kernels, and the curve [{rows, ms, ratio}, ...]."""
+    from .measure import verify_curve
+
+    with tqdm(total=len(ROWS) * repeats, desc="forward cost", unit="forward") as bar:
+        seconds = verify_curve(target, context_ids(target.tokenizer), 0, repeats, bar, sizes=list(ROWS))
+    one = seconds[1]
+    curve = [{"rows": q, "ms": round(s * 1e3, 3), "ratio": round(s / one, 3)} for q, s in sorted(seconds.items())]
+    return {"cpu": capability(), "kernels": kernels_in_use(target), "context": CONTEXT, "curve": curve}
+
+
+def cost_report(target, refresh: bool = False, measure_if_missing: bool = True) -> dict | None:
+    """The cached report for this machine and target, measured (and cached) when missing or `refresh`."""
+    path = curve_path(target)
+    if path.exists() and not refresh:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            pass
+    if not measure_if_missing and not refresh:
+        return None
+    report = measure(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def seconds_by_rows(report: dict) -> dict[int, float]:
+    return {point["rows"]: point["ms"] / 1e3 for point in report["curve"]}
+
+
+def sized(curve: dict[int, float]) -> dict[str, int]:
+    """The chain depth and the tree size (nodes) that make the most tokens per second on this curve under the
+    generic acceptance model (module docstring); the root is scored with every draft."""
+
+    def chain_rate(depth: int) -> float:
+        expected = sum(CHAIN_ACCEPT**i for i in range(depth + 1))
+        return expected / verify_seconds(curve, depth + 1)
+
+    def tree_rate(nodes: int) -> float:
+        expected, _ = sequoia_tree(nodes, 8, TREE_ACCEPT)
+        return expected / verify_seconds(curve, nodes + 1)
+
+    return {"depth": max(range(1, 13), key=chain_rate), "nodes": max(range(1, 33), key=tree_rate)}
+
+
+def sized_options(drafter_cls, curve: dict[int, float]) -> dict:
+    """The drafter's size options (its `sizes`: option -> "depth" or "nodes") set from the curve."""
+    size = sized(curve)
+    return {option: size[role] for option, role in drafter_cls.sizes.items()}

@@ -1,0 +1,86 @@
+"""The governor: speculation is kept while it pays, shortened and then rested when it does not; and decoding stays
+token-identical to plain decoding whatever it decides, for every drafter."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specdecode.drafters import DRAFTERS, build_drafter
+from specdecode.engine import generate
+from specdecode.governor import Governor
+from specdecode.sampling import SamplingParams
+
+from conftest import tiny_pair
+
+GREEDY = SamplingParams()
+
+
+def run(governor: Governor, steps: int, spec_seconds: float, spec_tokens: int, depth: int = 4) -> list:
+    """Feed the governor `steps` steps of a drafter whose speculative steps take spec_seconds for spec_tokens
+    tokens (a plain step: 1 token in 1 second); return the plan of every step."""
+    plans = []
+    for _ in range(steps):
+        plan = governor.plan()
+        plans.append(plan)
+        if plan == 0:
+            governor.record(1.0, 1, 0, plan)
+        else:
+            drafted = depth if plan is None else min(plan, depth)
+            governor.record(spec_seconds * (1 + drafted) / (1 + depth), min(spec_tokens, drafted + 1), drafted, plan)
+    return plans
+
+
+def test_speculation_that_pays_is_kept():
+    plans = run(Governor(), 100, spec_seconds=1.5, spec_tokens=3)
+    assert plans[:2] == [0, 0]  # the plain rate is measured first
+    speculative = [p for p in plans[2:] if p != 0]
+    assert all(p is None for p in speculative) and len(speculative) >= 90  # a rare refresh of the plain rate only
+
+
+def test_speculation_that_pays_only_when_short_is_capped():
+    plans = run(Governor(), 120, spec_seconds=4.0, spec_tokens=2)  # depth 1 pays (1.25x), depth 2 and 4 lose
+    assert plans[2:8] == [None] * 6 and plans[8:14] == [2] * 6 and plans[14:20] == [1] * 6
+    assert plans[20:].count(1) > 0.6 * len(plans[20:])  # mostly capped at 1, probing deeper now and then
+    assert 0 not in plans[20:] or plans[20:].count(0) < 5
+
+
+def test_speculation_that_loses_is_shortened_then_rested_then_probed():
+    governor = Governor()
+    plans = run(governor, 120, spec_seconds=4.0, spec_tokens=1)  # nothing is ever accepted
+    caps = [p for p in plans if p not in (None, 0)]
+    assert caps and caps[0] == 2 and 1 in caps  # depth 4 -> 2 -> 1 before resting
+    rests = [len(list(group)) for key, group in itertools.groupby(plans[2:]) if key == 0]
+    assert rests[0] >= 8 and max(rests) > rests[0]  # rests, longer after each further loss
+    assert plans.count(0) > 60  # most steps ran plain
+    assert 1 in plans[plans.index(0, 2) + 8 :]  # ...but it probed again, with one-token drafts
+
+
+def test_a_loss_then_a_win_restores_full_drafts():
+    governor = Governor()
+    run(governor, 30, spec_seconds=4.0, spec_tokens=1)
+    plans = run(governor, 120, spec_seconds=1.2, spec_tokens=4)
+    assert plans[-20:].count(None) >= 18
+
+
+class Scripted(Governor):
+    """A governor whose plan follows a fixed cycle (plain steps, caps, full drafts), to test the engine's side."""
+
+    def __init__(self):
+        super().__init__()
+        self.cycle = itertools.cycle([None, 0, 1, None, 0, 0, 2, None])
+
+    def plan(self):
+        return next(self.cycle)
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_any_plan_is_lossless(name):
+    target, draft_model = tiny_pair("qwen2:native-int4", seed=5)
+    prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
+    options = {"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}
+    plain, _ = generate(target, build_drafter("none", target), prompt, 40, GREEDY)
+    spec, stats = generate(target, build_drafter(name, target, **options), prompt, 40, GREEDY, governor=Scripted())
+    assert spec == plain
+    assert stats.plain_steps >= 5
