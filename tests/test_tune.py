@@ -3,6 +3,8 @@ tuned_drafter picks up (explicit options and profile=none win)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from specdecode.cli import main
@@ -151,3 +153,18 @@ def test_tune_cli_rejects_bad_input_before_loading(capsys):
     assert main(["tune", "--model", "smollm2-135m-instruct", "--repeats", "0"]) == 2
     assert main(["tune", "--model", "smollm2-135m-instruct", "--drafters", "draft"]) == 2
     assert "no drafter to tune" in capsys.readouterr().err
+
+
+def test_sized_drafts_follow_the_cost_curve():
+    from specdecode.drafters import DRAFTERS
+    from specdecode.tune.machine import sized, sized_options
+
+    flat = {1: 1.0, 2: 1.0, 4: 1.02, 8: 1.05, 16: 1.1, 32: 1.3}  # verifying more rows costs almost nothing
+    steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0, 32: 30.0}  # every row costs a full forward
+    middle = {1: 1.0, 2: 1.12, 4: 1.4, 8: 2.0, 16: 3.8, 32: 9.0}
+    assert sized(flat)["depth"] >= 6 and sized(flat)["nodes"] >= 12
+    assert sized(steep) == {"depth": 1, "nodes": 1}
+    assert sized(steep)["depth"] < sized(middle)["depth"] < sized(flat)["depth"]
+    assert sized_options(DRAFTERS["pld"], middle) == {"k": sized(middle)["depth"]}
+    for name, cls in DRAFTERS.items():  # every sized option set builds
+        assert set(sized_options(cls, middle)) <= set(inspect.signature(cls.__init__).parameters)

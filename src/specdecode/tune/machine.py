@@ -70,16 +70,9 @@ def curve_path(target) -> Path:
     return cache_root() / "cost" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")
 
 
-def context_ids(tokenizer, length: int = CONTEXT) -> list[int]:
-    """About `length` tokens of the shipped tuning prompts (never Spec-Bench)."""
-    from .measure import tune_prompts
-
-    ids: list[int] = []
-    for prompt in tune_prompts(tokenizer):
-        ids += prompt
-        if len(ids) >= length:
-            break
-    return (ids * (length // max(len(ids), 1) + 1))[:length]
+def context_ids(vocab_size: int, length: int = CONTEXT) -> list[int]:
+    """`length` token ids spread over the vocabulary: a forward's cost does not depend on which tokens they are."""
+    return [(7919 * i + 13) % vocab_size for i in range(length)]
 
 
 def measure(target, repeats: int = 3) -> dict:
@@ -87,7 +80,7 @@ def measure(target, repeats: int = 3) -> dict:
     from .measure import verify_curve
 
     with tqdm(total=len(ROWS) * repeats, desc="forward cost", unit="forward") as bar:
-        seconds = verify_curve(target, context_ids(target.tokenizer), 0, repeats, bar, sizes=list(ROWS))
+        seconds = verify_curve(target, context_ids(target.vocab_size), 0, repeats, bar, sizes=list(ROWS))
     one = seconds[1]
     curve = [{"rows": q, "ms": round(s * 1e3, 3), "ratio": round(s / one, 3)} for q, s in sorted(seconds.items())]
     return {"cpu": capability(), "kernels": kernels_in_use(target), "context": CONTEXT, "curve": curve}
