@@ -80,7 +80,12 @@ def test_greedy_chat_matches_generate_streamed_and_not(client, capsys):
     )
     assert reply.choices[0].message.content == expected["text"]
     assert reply.usage.completion_tokens == expected["new_tokens"]
-    assert reply.model_extra["speculative"]["target_forwards"] >= 1
+    speculative = reply.model_extra["speculative"]
+    # every target forward yields one token (the prefill's first, each step's bonus), accepted drafts the rest
+    # (less any accepted past an end-of-sequence token)
+    assert speculative["target_forwards"] <= expected["new_tokens"]
+    assert expected["new_tokens"] <= speculative["target_forwards"] + speculative["accepted_tokens"]
+    assert speculative["tau"] == pytest.approx(expected["new_tokens"] / speculative["target_forwards"])
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40, stream=True
     )
