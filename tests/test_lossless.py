@@ -103,3 +103,24 @@ def test_end_of_sequence_inside_an_accepted_draft_stops_exactly_there():
     spec, stats = generate(target, ReplayDrafter(len(prompt), script, 6), prompt, 24, GREEDY)
     assert spec == plain and stats.finish_reason == "stop" and stats.new_tokens == stop + 1
     assert stats.accepted_tokens + stats.target_forwards > stats.new_tokens  # tokens past it were accepted, then cut
+
+
+@pytest.mark.real_model
+def test_draft_quant_changes_the_draft_model_only(smollm2, monkeypatch, capsys):
+    """--draft-quant int4: the draft model's weights are int4, the target's float32, the output plain decoding's."""
+    import json
+
+    from specdecode import api
+    from specdecode.cli import main
+
+    loaded = []
+    load = api.load_model
+    monkeypatch.setattr(api, "load_model", lambda *args: loaded.append(args[3]) or load(*args))
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--drafter", "draft", "--draft-model",
+                 "smollm2-135m-instruct", "--draft-quant", "int4", "-o", "topk=1", "-o", "depth=4", "--dtype",
+                 "float32", "--chat", "--prompt", REAL_PROMPTS[0], "--max-new-tokens", "32", "--compare",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert loaded[:2] == ["none", "int4"]  # target, then draft model (--compare loads plain decoding after)
+    assert out["identical"] is True
+    assert out["speculative"]["acceptance_rate"] > 0.5  # int4 weights of the same model mostly agree with it
