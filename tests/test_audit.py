@@ -105,3 +105,17 @@ def test_sampling_audit_passes_real_verifier_and_catches_a_wrong_residual(depth)
     assert clean.passed and clean.depth == depth and clean.samples == 1000, (clean.distance, clean.bound)
     wrong = audit_sampling(target, drafter, prompt, params, samples=1000, verifier=WrongResidualVerifier(), depth=depth)
     assert not wrong.passed, (wrong.distance, wrong.bound)
+
+
+@pytest.mark.real_model
+def test_audit_command_prints_its_classifications_and_bound(smollm2, capsys):
+    from specdecode.cli import main
+
+    code = main(["audit", "--model", "smollm2-135m-instruct", "--drafter", "pld", "--dtype", "float32",
+                 "--per-group", "1", "--max-new-tokens", "12", "--samples", "60", "--depth", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "greedy: 6/6 identical to plain decoding, 0 divergences (0 bugs)" in out
+    bound = (__import__("math").log(2 / 1e-3) / (2 * 60)) ** 0.5
+    assert f"new token 2 given the ones before): KS distance" in out and f"vs bound {bound:.4f}" in out
+    assert out.rstrip().endswith("audit: passed")
