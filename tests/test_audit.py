@@ -4,6 +4,7 @@ default settings), and catches a wrong residual at any draft depth (sampling).""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -59,12 +60,12 @@ def test_a_real_bfloat16_near_tie_is_called_a_tie():
         assert d.margin <= d.observed <= 2 * d.reference
 
 
-def off_by_one_positions(cache, root_token, draft):
+def off_by_one_positions(*args):
     """A planted subtle bug: tree nodes below depth 1 get a position one too far (rotary embeddings shifted)."""
-    request = real_tree_request(cache, root_token, draft)
+    request = real_tree_request(*args)
     positions = request.positions.clone()  # [N+1]
     positions[positions > positions[0] + 1] += 1
-    return base.ForwardRequest(request.cache, request.input_ids, positions, request.tree_mask)
+    return dataclasses.replace(request, positions=positions)
 
 
 real_tree_request = base.tree_request
