@@ -12,8 +12,9 @@ import torch
 from specdecode.models.hf import HFModel
 
 FAMILIES = ["qwen2", "llama", "gemma3"]
-# The lossless matrix's targets: each transformers family, and the native backend (dense and int4 weights; Gemma 3).
-TARGETS = FAMILIES + ["qwen2:native", "llama:native-int4", "gemma3:native"]
+# The lossless matrix's targets: each transformers family, and the native backend (dense, int4 and int8 weights;
+# Gemma 3).
+TARGETS = FAMILIES + ["qwen2:native", "llama:native-int4", "qwen2:native-int8", "gemma3:native"]
 
 
 class TinyTokenizer:

@@ -20,9 +20,9 @@ from conftest import tiny_model
 
 
 def record(method, qid, group, tokens, seconds, forwards=None, draft=0.0, verify=0.0, drafted=0, accepted=0, ids=None,
-           prefill=None):
+           prefill=None, repeat=0):
     return dict(
-        method=method, question_id=qid, group=group, turn=0, repeat=0, new_tokens=tokens, seconds=seconds,
+        method=method, question_id=qid, group=group, turn=0, repeat=repeat, new_tokens=tokens, seconds=seconds,
         target_forwards=forwards, draft_seconds=draft, verify_seconds=verify, drafted_tokens=drafted,
         accepted_tokens=accepted, token_ids=ids if ids is not None else list(range(tokens)), prefill_seconds=prefill,
     )
@@ -124,13 +124,35 @@ def test_report_files(tmp_path):
     machine = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "transformers": "y"}
     write_report(config, records, tmp_path, machine, "2026-01-01 00:00 UTC")
     report = (tmp_path / "report.md").read_text()
-    assert "| none | 1.00x | 1.00x | 1.00 | 1.00x |" in report
-    assert "| pld |" in report and "test cpu" in report and "| decode tok/s |" in report
-    assert "| pld | (defaults) | defaults |" in report  # the drafter options in effect
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["records"]) == 6 and results["metrics"]["pld"]["overall"]["identical_share"] == 1.0
+    # pld's row holds its own speedups and tau, recomputed here from the records in results.json
+    pld = aggregate(results["records"], ["none", "pld"], ["mt_bench", "summarization"])["pld"]
+    row = " | ".join(f"{pld[g]['speedup']:.2f}x" for g in ("mt_bench", "summarization"))
+    assert f"| pld | {row} | {pld['overall']['tau']:.2f} | {pld['overall']['speedup']:.2f}x |" in report
+    assert pld["overall"]["tau"] > 1  # the repetitive summarization prompt is drafted from
+    assert "test cpu" in report and "| decode tok/s |" in report
+    assert "| pld | (defaults) | defaults |" in report  # the drafter options in effect
     assert (tmp_path / "speedup.png").stat().st_size > 1000
     assert (tmp_path / "tau_vs_tokens_per_second.png").stat().st_size > 1000
+
+
+def test_repeats_report_the_median_and_spread_of_each_speedup(tmp_path):
+    seconds = {0: (2.0, 1.0), 1: (2.0, 0.5), 2: (1.0, 1.0)}  # repeat: (none, spec) -> speedups 2, 4 and 1
+    records = [record(m, 1, "summarization", 10, s, forwards=10, repeat=k)
+               for k, pair in seconds.items() for m, s in zip(("none", "spec"), pair)]
+    config = BenchConfig(model="tiny", methods=["none", "spec"], question_ids=[1], groups=["summarization"],
+                         max_new_tokens=10, dtype="float32", repeats=3)
+    machine = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "transformers": "y"}
+    write_report(config, records, tmp_path, machine, "2026-01-01 00:00 UTC")
+    spread = json.loads((tmp_path / "results.json").read_text())["metrics"]["spec"]["overall"]["speedup_repeats"]
+    assert spread == {"values": [2.0, 4.0, 1.0], "median": 2.0, "min": 1.0, "max": 4.0}
+    report = (tmp_path / "report.md").read_text()
+    assert "### Across the 3 repeats: median (min-max) of each repeat's own speedup" in report
+    assert "| spec | 2.00x (1.00-4.00) | 2.00x (1.00-4.00) |" in report  # the one group, then overall
+    assert "| none | 1.00x (1.00-1.00) |" in report
+    one = aggregate([r for r in records if r["repeat"] == 0], ["none", "spec"], ["summarization"])
+    assert "speedup_repeats" not in one["spec"]["overall"]  # a single repeat has no spread to report
 
 
 def test_unknown_method_names_the_choices():

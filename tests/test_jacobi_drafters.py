@@ -13,12 +13,14 @@ from specdecode.drafters import build_drafter
 from specdecode.drafters.esp import best_paths
 from specdecode.drafters.jacobi import coupled_draw
 from specdecode.models.base import forward_tree, prefill
-from specdecode.sampling import SamplingParams, probs_from_logits
+from specdecode.sampling import SamplingParams
 from specdecode.tree import PROBE, Draft, depths, trie
 from specdecode.verify import GreedyVerifier, RejectionVerifier, Verdict
 
-from conftest import tiny_model
-from test_sampling_distribution import EXACT, engine_pair_counts, joint_counts, tv, tv_bound
+from conftest import native_twin, tiny_model
+from test_sampling_distribution import (
+    ALPHA, EXACT, chi_square_p_value, engine_counts, exact_joint, joint_counts, prefix_logits, tv, tv_bound,
+)
 
 V = 50
 FAKE_TARGET = SimpleNamespace(eos_token_ids=frozenset({49}), vocab_size=V)
@@ -149,19 +151,10 @@ def test_a_probe_with_a_tokens_embedding_reads_like_that_token():
 def test_later_steps_sample_exactly(name, options):
     """Tokens 3 and 4 come from steps whose drafts were built from earlier target logits (coupled guesses)."""
     vocab = 6
-    target = tiny_model("llama", seed=5, vocab=vocab, layers=1, hidden=16, initializer_range=0.6)
+    target = native_twin(tiny_model("llama", seed=5, vocab=vocab, layers=1, hidden=16, initializer_range=0.6))
     prompt = [1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0)
-
-    def next_probs(prefix):
-        return probs_from_logits(prefill(target, target.new_cache(32), prompt + prefix), params)
-
-    exact = torch.zeros(vocab, vocab)  # joint of tokens 2 and 3
-    for t0, p0 in enumerate(next_probs([]).tolist()):
-        for t1, p1 in enumerate(next_probs([t0]).tolist()):
-            for t2, p2 in enumerate(next_probs([t0, t1]).tolist()):
-                exact[t2] += p0 * p1 * p2 * next_probs([t0, t1, t2])
+    exact = exact_joint(prefix_logits(target, prompt, 4), params, vocab, 4).sum((0, 1))  # [V, V]: tokens 2 and 3
     drafter = build_drafter(name, target, **options)
-    n = 3000
-    counts = engine_pair_counts(target, drafter, prompt, 4, (2, 3), vocab, n)
-    assert tv(counts, exact) < tv_bound(vocab**2, n, delta=1e-3)
+    counts, _, _ = engine_counts(target, drafter, prompt, params, vocab, 2, 2000, at=2)
+    assert chi_square_p_value(counts, exact) > ALPHA

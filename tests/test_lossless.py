@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from specdecode.drafters import DRAFTERS, build_drafter
+from specdecode.drafters.base import Drafter
 from specdecode.engine import generate
 from specdecode.sampling import SamplingParams
 from specdecode.text import chat_prompt_ids
+from specdecode.tree import Draft
 
 from conftest import TARGETS, perturbed_copy, tiny_pair as make_tiny_pair
 
@@ -73,3 +75,52 @@ def smollm2_draft(smollm2):
 @pytest.fixture(scope="module")
 def smollm2_prompts(smollm2):
     return [chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+
+
+class ReplayDrafter(Drafter):
+    """Drafts a known continuation: the next `depth` tokens of `script` after what was generated so far."""
+
+    name = "replay"
+
+    def __init__(self, prompt_len: int, script: list[int], depth: int):
+        self.prompt_len, self.script, self.depth = prompt_len, script, depth
+        self.max_nodes = depth
+
+    def propose(self, context, params, generator) -> Draft:
+        done = len(context) - self.prompt_len
+        return Draft.chain(self.script[done : done + self.depth])
+
+
+def test_end_of_sequence_inside_an_accepted_draft_stops_exactly_there():
+    target, _ = make_tiny_pair("qwen2:native", seed=1)
+    prompt = PROMPTS[1]
+    script, _ = generate(target, build_drafter("none", target), prompt, 24, GREEDY)  # no end-of-sequence id yet
+    stop = next(i for i in range(3, len(script)) if script[i] not in script[:i])  # its first occurrence ends it
+    target.eos_token_ids = frozenset({script[stop]})
+    plain, plain_stats = generate(target, build_drafter("none", target), prompt, 24, GREEDY)
+    assert plain == script[: stop + 1] and plain_stats.finish_reason == "stop"
+    # drafts run 6 tokens ahead of the script, so one accepted draft carries the end-of-sequence token and more
+    spec, stats = generate(target, ReplayDrafter(len(prompt), script, 6), prompt, 24, GREEDY)
+    assert spec == plain and stats.finish_reason == "stop" and stats.new_tokens == stop + 1
+    assert stats.accepted_tokens + stats.target_forwards > stats.new_tokens  # tokens past it were accepted, then cut
+
+
+@pytest.mark.real_model
+def test_draft_quant_changes_the_draft_model_only(smollm2, monkeypatch, capsys):
+    """--draft-quant int4: the draft model's weights are int4, the target's float32, the output plain decoding's."""
+    import json
+
+    from specdecode import api
+    from specdecode.cli import main
+
+    loaded = []
+    load = api.load_model
+    monkeypatch.setattr(api, "load_model", lambda *args: loaded.append(args[3]) or load(*args))
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--drafter", "draft", "--draft-model",
+                 "smollm2-135m-instruct", "--draft-quant", "int4", "-o", "topk=1", "-o", "depth=4", "--dtype",
+                 "float32", "--chat", "--prompt", REAL_PROMPTS[0], "--max-new-tokens", "32", "--compare",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert loaded[:2] == ["none", "int4"]  # target, then draft model (--compare loads plain decoding after)
+    assert out["identical"] is True
+    assert out["speculative"]["acceptance_rate"] > 0.5  # int4 weights of the same model mostly agree with it

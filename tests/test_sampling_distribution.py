@@ -9,6 +9,7 @@ Engine level: the same check end to end on a tiny model, for every drafter that 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -17,8 +18,9 @@ import torch
 from specdecode.drafters import DRAFTERS, build_drafter
 from specdecode.engine import generate
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
-from specdecode.tree import Draft
+from specdecode.tree import Draft, depths
 from specdecode.verify import RejectionVerifier
+from specdecode.verify.rejection import residual
 from specdecode.verify.base import verdict
 
 from conftest import native_twin, perturbed_copy, tiny_model
@@ -127,8 +129,22 @@ def test_top_k_and_top_p_warping():
 
 
 # ---- end to end through the engine ------------------------------------------------------------------------
+# The joint distribution of the first four new tokens: the prefill samples the first, and the first draft below it
+# is cut to depth 3, so tokens 2-4 are accepted at depths 1-3 (or come from later steps after a rejection). With a
+# 4-token vocabulary the joint has 256 cells, computed exactly from 85 prefills; a chi-square test compares it with
+# the engine's counts. The target is sharp and its prompt is its own greedy continuation, so lookups find what it
+# is likely to say and drafts are accepted to depth 3 (its attention is weak, so its own greedy text repeats). Each
+# planted bug below must fail the same test at the same sample count.
 
-ENGINE_V = 8
+ENGINE_V = 4
+JOINT = 4  # new tokens compared
+ENGINE_SAMPLES = 1000
+SHARPNESS, ATTENTION = 1.0, 0.3
+ALPHA = 1e-4  # a correct engine fails a case with this probability
+SETTINGS = [  # each case runs one, in turn, so every drafter meets several
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=2),
+    SamplingParams(temperature=1.0, top_p=0.95),
+]
 SAMPLING_CASES = [
     (name, variant) for name, cls in sorted(DRAFTERS.items()) if cls.supports_sampling for variant in cls.variants
 ]
@@ -136,36 +152,140 @@ SAMPLING_CASES = [
 
 @pytest.fixture(scope="module")
 def engine_setup():
-    # the native backend: the same function with less per-forward overhead, for 4000 generations per drafter
-    target = native_twin(tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=0.6))
-    draft_model = perturbed_copy(target, scale=0.5, seed=6)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    from specdecode.models.base import prefill
-
-    cache = target.new_cache(32)
-    params = SamplingParams(temperature=1.0)
-    p1 = probs_from_logits(prefill(target, cache, prompt), params)  # [V]
-    rows = []
-    for x1 in range(ENGINE_V):
-        cache = target.new_cache(32)
-        rows.append(probs_from_logits(prefill(target, cache, prompt + [x1]), params))
-    return target, draft_model, prompt, p1[:, None] * torch.stack(rows)  # exact joint [V, V]
+    # the native backend: the same function with less per-forward overhead than transformers
+    hf = tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=SHARPNESS)
+    with torch.no_grad():
+        hf.model.model.layers[0].self_attn.o_proj.weight.mul_(ATTENTION)
+    target = native_twin(hf)
+    draft_model = perturbed_copy(target, scale=0.1, seed=6)
+    start = [1, 2, 3]
+    prompt = start + generate(target, build_drafter("none", target), start, 16, SamplingParams())[0]
+    return target, draft_model, prompt, prefix_logits(target, prompt, JOINT)
 
 
-@pytest.mark.parametrize("name,variant", SAMPLING_CASES, ids=[f"{n}{v or ''}" for n, v in SAMPLING_CASES])
-def test_engine_sampling_matches_plain_sampling(engine_setup, name, variant):
-    target, draft_model, prompt, exact = engine_setup
+def prefix_logits(target, prompt: list[int], length: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """The target's [V] next-token logits after prompt + every prefix of fewer than `length` new tokens."""
+    from specdecode.audit import next_token_logits
+
+    vocab = target.vocab_size
+    return {
+        prefix: next_token_logits(target, prompt + list(prefix))
+        for depth in range(length) for prefix in itertools.product(range(vocab), repeat=depth)
+    }
+
+
+def exact_joint(logits: dict[tuple[int, ...], torch.Tensor], params: SamplingParams, vocab: int, length: int):
+    """[V] * length: the probability of each sequence of `length` new tokens under plain sampling."""
+    joint = torch.ones((), dtype=torch.float64)
+    for depth in range(length):
+        prefixes = itertools.product(range(vocab), repeat=depth)
+        rows = torch.stack([probs_from_logits(logits[prefix], params).double() for prefix in prefixes])
+        joint = joint[..., None] * rows.reshape(*([vocab] * depth), vocab)
+    return joint
+
+
+def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's goodness of fit of counts to exact (same shape); cells expected fewer than min_expected times are
+    pooled into one. A count in a cell of probability 0 (a token top-k or top-p removed) gives 0."""
+    observed = counts.double().flatten()
+    expected = exact.double().flatten() * observed.sum()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    kept = expected >= min_expected
+    observed = torch.cat([observed[kept], observed[~kept].sum()[None]])
+    expected = torch.cat([expected[kept], expected[~kept].sum()[None]])
+    if expected[-1] == 0:  # nothing pooled
+        observed, expected = observed[:-1], expected[:-1]
+    if len(expected) < 2:  # one possible outcome: nothing more to compare
+        return 1.0
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(expected) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, statistic / 2))  # the chi-square survival function
+
+
+def engine_counts(target, drafter, prompt, params: SamplingParams, vocab: int, length: int, n: int, at: int = 0):
+    """(counts [V] * length of new tokens at..at+length over n seeded generations, deepest accepted draft,
+    deepest proposed draft (both capped by the generation's length))."""
+    counts = torch.zeros([vocab] * length)
+    proposed = []
+    propose = drafter.propose
+
+    def recorded(*args):
+        draft = propose(*args)
+        proposed.append(int(depths(draft.parents).max()) if len(draft) else 0)
+        return draft
+
+    drafter.propose = recorded
+    deepest = 0
+    for seed in range(n):
+        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+        tokens, stats = generate(target, drafter, prompt, at + length + 1, seeded)
+        counts[tuple(tokens[at : at + length])] += 1
+        deepest = max([deepest, *stats.accepted_per_step])
+    del drafter.propose
+    return counts, deepest, max(proposed, default=0)
+
+
+def engine_case(engine_setup, name, variant, params, n=ENGINE_SAMPLES):
+    """(chi-square p-value, deepest accepted, deepest drafted) of one drafter on the engine setup."""
+    target, draft_model, prompt, logits = engine_setup
     options = dict(variant, **({"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}))
     drafter = build_drafter(name, target, **options)
-    n = 4000
-    counts = engine_pair_counts(target, drafter, prompt, 3, (0, 1), ENGINE_V, n)
-    assert tv(counts, exact) < tv_bound(ENGINE_V**2, n, delta=1e-3)
+    counts, accepted, drafted = engine_counts(target, drafter, prompt, params, ENGINE_V, JOINT, n)
+    return chi_square_p_value(counts, exact_joint(logits, params, ENGINE_V, JOINT)), accepted, min(drafted, JOINT - 1)
 
 
-def engine_pair_counts(target, drafter, prompt, max_new_tokens: int, at: tuple[int, int], vocab: int, n: int):
-    """[V, V] counts of the new tokens at positions `at` over n seeded engine generations at temperature 1."""
-    counts = torch.zeros(vocab, vocab)
-    for seed in range(n):
-        tokens, _ = generate(target, drafter, prompt, max_new_tokens, SamplingParams(temperature=1.0, seed=seed))
-        counts[tokens[at[0]], tokens[at[1]]] += 1
-    return counts
+@pytest.mark.parametrize(
+    "name,variant,params",
+    [(n, v, SETTINGS[i % len(SETTINGS)]) for i, (n, v) in enumerate(SAMPLING_CASES)],
+    ids=[f"{n}{v or ''}" for n, v in SAMPLING_CASES],
+)
+def test_engine_sampling_matches_plain_sampling_to_depth_3(engine_setup, name, variant, params):
+    p_value, accepted, _ = engine_case(engine_setup, name, variant, params)
+    assert p_value > ALPHA, p_value
+    DEEPEST[name] = max(DEEPEST.get(name, 0), accepted)
+
+
+DEEPEST: dict[str, int] = {}  # drafter: the deepest draft token the matrix above saw accepted
+
+
+def test_the_matrix_accepted_drafts_at_depth_3():
+    """What the matrix proves reaches depth 3: for every drafter, some variant had a depth-3 token accepted."""
+    names = {name for name, _ in SAMPLING_CASES} - {"none"}
+    if not names <= set(DEEPEST):
+        pytest.skip("runs after the whole sampling matrix")
+    assert {name: DEEPEST[name] for name in names} == dict.fromkeys(names, JOINT - 1)
+
+
+class DeepBias(RejectionVerifier):
+    """A planted bug at depth 3 only: the target's logits that score depth-3 tokens are a little too flat."""
+
+    def verify(self, draft, target_logits, params, generator):
+        scores_depth_3 = torch.cat([torch.tensor([False]), depths(draft.parents) == 2])  # [N+1]: depth-2 rows
+        flattened = target_logits.clone()  # [N+1, V]
+        flattened[scores_depth_3] *= 0.75
+        return super().verify(draft, flattened, params, generator)
+
+
+def leaky_residual(target_probs, draft_probs):
+    """A planted bug: the residual keeps some of the target's own distribution (the rejected tokens' mass)."""
+    return 0.5 * (residual(target_probs, draft_probs) + target_probs)
+
+
+PLANTED = {
+    "bias at depth 3": ("specdecode.engine.verifier_for", lambda params: DeepBias()),
+    "leaky residual": ("specdecode.verify.rejection.residual", leaky_residual),
+}
+
+
+@pytest.mark.parametrize(
+    "bug,name,variant",
+    [
+        ("bias at depth 3", "pld", {}), ("bias at depth 3", "draft", {"depth": 3, "topk": 3, "budget": 7}),
+        ("leaky residual", "recycling", {}), ("leaky residual", "draft", {"depth": 3, "topk": 1}),
+    ],
+)
+def test_planted_engine_bugs_fail_the_test(engine_setup, monkeypatch, bug, name, variant):
+    monkeypatch.setattr(*PLANTED[bug])
+    p_value, _, _ = engine_case(engine_setup, name, variant, SETTINGS[0])
+    assert p_value < ALPHA, p_value

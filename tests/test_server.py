@@ -80,7 +80,12 @@ def test_greedy_chat_matches_generate_streamed_and_not(client, capsys):
     )
     assert reply.choices[0].message.content == expected["text"]
     assert reply.usage.completion_tokens == expected["new_tokens"]
-    assert reply.model_extra["speculative"]["target_forwards"] >= 1
+    speculative = reply.model_extra["speculative"]
+    # every target forward yields one token (the prefill's first, each step's bonus), accepted drafts the rest
+    # (less any accepted past an end-of-sequence token)
+    assert speculative["target_forwards"] <= expected["new_tokens"]
+    assert expected["new_tokens"] <= speculative["target_forwards"] + speculative["accepted_tokens"]
+    assert speculative["tau"] == pytest.approx(expected["new_tokens"] / speculative["target_forwards"])
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40, stream=True
     )
@@ -93,11 +98,18 @@ def test_greedy_chat_matches_generate_streamed_and_not(client, capsys):
 def test_completions_and_stop_strings(client):
     reply = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=30, stop=[" 7"])
     assert " 7" not in reply.choices[0].text and reply.choices[0].finish_reason == "stop"
-    sampled = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0.8, top_p=0.9,
-                                        seed=3, max_tokens=12)
-    again = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0.8, top_p=0.9,
-                                      seed=3, max_tokens=12)
-    assert sampled.choices[0].text == again.choices[0].text  # same seed, same text
+
+
+def test_sampling_through_the_server_is_the_engines_sampling(client, capsys):
+    """A seeded sampled request gets exactly what `generate` samples with the same drafter, seed and warping."""
+    def sampled(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0.8, top_p=0.9,
+                                         seed=seed, max_tokens=12).choices[0].text
+
+    assert main(["generate", "--model", MODEL, "--drafter", "pld", "--prompt", "Once upon a time", "--temperature",
+                 "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "12", "--dtype", "float32", "--json"]) == 0
+    assert sampled(3) == json.loads(capsys.readouterr().out)["text"]
+    assert len({sampled(seed) for seed in (3, 4, 5, 6)}) > 1  # the seed is used: sampling, not greedy
 
 
 @pytest.mark.parametrize(

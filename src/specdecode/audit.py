@@ -1,17 +1,24 @@
 """specdecode audit: is a drafter lossless on this model, dtype and hardware?
 
-Greedy: plain and speculative decoding on the same prompts. A divergence is a numerical near-tie when the
-speculative token is plain decoding's runner-up at the first differing position and plain decoding's top-2 logit
-margin there is within the dtype's rounding noise; anything else is a bug.
-Sampling: the token after the first one (which the prefill samples, so it is never drafted) is compared, over many
-seeds, with the target's exact conditional distribution given that first token; a total-variation distance above
-a bound that holds with probability 1 - delta fails the audit.
+Greedy: plain and speculative decoding on the same prompts, every divergence examined: after one, speculative
+decoding restarts from plain decoding's path just past it, so each prompt's divergences are all found. A divergence
+is a numerical near-tie only when rounding, as measured there, explains it:
+- `one_row`: the logits plain decoding chose its token from (a one-row forward);
+- `tree_row`: the logits speculative decoding chose its token from (a row of the tree forward it actually ran);
+- `observed`: their largest difference over the vocabulary, the rounding the two forward shapes showed there;
+- `reference`: the largest difference between `one_row` and the same position computed by a plain causal forward
+  with as many rows as that tree forward: what an honest change of shape rounds like at this position.
+It is a near-tie when plain's top two are the two tokens, their margin is within `observed`, and `observed` is at
+most twice `reference` (a tree forward that reads a wrong mask, position or cache entry differs by more than
+rounding does). Anything else is a bug.
+Sampling: the token at new index `depth` (drafted at depth `depth` of the first draft) is compared, over many seeds,
+with the target's exact conditional distribution given the new tokens before it, through its randomized probability
+integral transform; a Kolmogorov-Smirnov distance above a bound that holds with probability 1 - delta fails.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -21,20 +28,21 @@ from .drafters import Drafter, build_drafter
 from .engine import generate
 from .models.base import CausalLM, prefill
 from .sampling import SamplingParams, probs_from_logits
-from .verify import Verifier
+from .verify import GreedyVerifier, Verifier
 
-# Largest top-2 logit margin that rounding can plausibly flip when a forward runs in another batch shape.
-TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
+REFERENCE_SLACK = 2.0  # a tree forward may round up to this many times the reference's difference
 
 
 @dataclass
 class Divergence:
     prompt_index: int
-    position: int  # first differing new-token index
+    position: int  # new-token index where the outputs differ (plain's path before it)
     plain_token: int
     speculative_token: int
-    margin: float  # plain decoding's top-1 minus top-2 logit there
+    margin: float  # plain's top-1 minus top-2 logit there (one-row forward)
     runner_up: int
+    observed: float  # largest |tree_row - one_row| over the vocabulary
+    reference: float  # largest |same-shape causal row - one_row|
     kind: str  # "near-tie" or "bug"
 
 
@@ -48,9 +56,46 @@ class GreedyAudit:
         return [d for d in self.divergences if d.kind == "bug"]
 
 
+class RecordingVerifier(Verifier):
+    """Wraps a verifier; keeps, for every token a step emits, the target logits row it was chosen from and the
+    number of rows of that forward."""
+
+    def __init__(self, inner: Verifier):
+        self.inner = inner
+        self.rows: list[torch.Tensor] = []  # [V] each
+        self.forward_rows: list[int] = []
+
+    def verify(self, draft, target_logits, params, generator):
+        verdict = self.inner.verify(draft, target_logits, params, generator)
+        path = [0] + [i + 1 for i in verdict.accepted]
+        self.rows += [target_logits[row].clone() for row in path]  # not views: the forward's logits can be large
+        self.forward_rows += [target_logits.shape[0]] * len(path)
+        return verdict
+
+
 def next_token_logits(target: CausalLM, token_ids: list[int]) -> torch.Tensor:
     cache = target.new_cache(len(token_ids) + 1)
     return prefill(target, cache, token_ids)
+
+
+def causal_last_row(target: CausalLM, token_ids: list[int], rows: int) -> torch.Tensor:
+    """[V] logits after token_ids from one causal forward over its last `rows` tokens (the rest prefilled)."""
+    rows = min(rows, len(token_ids))
+    head, tail = token_ids[: len(token_ids) - rows], torch.tensor(token_ids[len(token_ids) - rows :])
+    cache = target.new_cache(len(token_ids) + 1)
+    if head:
+        prefill(target, cache, head)
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    return target.forward(cache, tail, torch.arange(len(head), len(token_ids)), causal)[-1]
+
+
+def recorded_generate(target, drafter, prompt, max_new_tokens, verifier: Verifier):
+    """Greedy tokens, and for each the (logits row it came from, rows of that forward); the first token's row is
+    the prefill's."""
+    recorder = RecordingVerifier(verifier)
+    tokens, _ = generate(target, drafter, prompt, max_new_tokens, SamplingParams(), recorder)
+    rows = [next_token_logits(target, prompt)] + recorder.rows
+    return tokens, list(zip(rows, [len(prompt)] + recorder.forward_rows))
 
 
 def audit_greedy(
@@ -59,51 +104,65 @@ def audit_greedy(
     prompts: list[list[int]],
     max_new_tokens: int,
     verifier: Verifier | None = None,
-    tie_margin: float | None = None,
 ) -> GreedyAudit:
-    greedy = SamplingParams()
     report = GreedyAudit()
     plain_drafter = build_drafter("none", target)
     for index, prompt in enumerate(tqdm(prompts, desc="audit (greedy)", unit="prompt")):
-        plain, _ = generate(target, plain_drafter, prompt, max_new_tokens, greedy)
-        spec, _ = generate(target, drafter, prompt, max_new_tokens, greedy, verifier)
-        divergence = classify_divergence(target, prompt, plain, spec, tie_margin, index)
-        if divergence is None:
-            report.identical += 1
-        else:
-            report.divergences.append(divergence)
+        plain, plain_rows = recorded_generate(target, plain_drafter, prompt, max_new_tokens, GreedyVerifier())
+        found = prompt_divergences(target, drafter, prompt, plain, plain_rows, verifier or GreedyVerifier())
+        for divergence in found:
+            divergence.prompt_index = index
+        report.divergences += found
+        report.identical += not found
     return report
 
 
-def classify_divergence(
-    target: CausalLM, prompt: list[int], plain: list[int], spec: list[int], tie_margin: float | None = None,
-    prompt_index: int = 0,
-) -> Divergence | None:
-    """None when identical; else where the outputs part and whether that is a near-tie of the dtype or a bug."""
-    if spec == plain:
-        return None
-    tie_margin = TIE_MARGIN.get(target.dtype, 0.5) if tie_margin is None else tie_margin
-    pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    if pos == min(len(plain), len(spec)):  # one stopped early: a length difference, never a tie
-        return Divergence(prompt_index, pos, -1, -1, float("nan"), -1, "bug")
-    top2 = torch.topk(next_token_logits(target, prompt + plain[:pos]), 2)
+def prompt_divergences(target, drafter, prompt, plain, plain_rows, verifier) -> list[Divergence]:
+    """Every divergence of speculative decoding from `plain`, restarting from plain's path past each one."""
+    found, start = [], 0
+    while start < len(plain):
+        context = prompt + plain[:start]
+        spec, spec_rows = recorded_generate(target, drafter, context, len(plain) - start, verifier)
+        offset = next((i for i, (a, b) in enumerate(zip(plain[start:], spec)) if a != b), None)
+        if offset is None:
+            if len(spec) != len(plain) - start:  # one stopped early without a differing token: never a tie
+                found.append(Divergence(0, start + min(len(spec), len(plain) - start), -1, -1, math.nan, -1,
+                                        math.nan, math.nan, "bug"))
+            return found
+        pos = start + offset
+        tree_row, forward_rows = spec_rows[offset]
+        reference_row = causal_last_row(target, prompt + plain[:pos], forward_rows)
+        found.append(classify(pos, plain[pos], spec[offset], plain_rows[pos][0], tree_row, reference_row))
+        start = pos + 1
+    return found
+
+
+def classify(position, plain_token, spec_token, one_row, tree_row, reference_row) -> Divergence:
+    """A near-tie when measured rounding explains the flip (see the module docstring); else a bug."""
+    one_row, tree_row, reference_row = one_row.float(), tree_row.float(), reference_row.float()
+    top2 = torch.topk(one_row, 2)
     margin = float(top2.values[0] - top2.values[1])
-    # Exact ties are common in low precision, so either of the top two may count as plain's choice.
-    near_tie = {plain[pos], spec[pos]} == set(top2.indices.tolist()) and margin <= tie_margin
-    return Divergence(
-        prompt_index, pos, plain[pos], spec[pos], margin, int(top2.indices[1]), "near-tie" if near_tie else "bug"
+    observed = float((tree_row - one_row).abs().max())
+    reference = float((reference_row - one_row).abs().max())
+    near_tie = (
+        {plain_token, spec_token} == set(top2.indices.tolist())  # exact ties: either of the two is plain's choice
+        and margin <= observed
+        and observed <= REFERENCE_SLACK * reference
     )
+    return Divergence(0, position, plain_token, spec_token, margin, int(top2.indices[1]), observed, reference,
+                      "near-tie" if near_tie else "bug")
 
 
 @dataclass
 class SamplingAudit:
     samples: int
-    tv: float
-    bound: float
+    distance: float  # largest gap between the PIT values' empirical CDF and the uniform CDF (Kolmogorov-Smirnov)
+    bound: float  # the gap a lossless engine stays under with probability 1 - delta (DKW inequality)
+    depth: int = 1
 
     @property
     def passed(self) -> bool:
-        return self.tv <= self.bound
+        return self.distance <= self.bound
 
 
 def audit_sampling(
@@ -114,26 +173,37 @@ def audit_sampling(
     samples: int = 400,
     verifier: Verifier | None = None,
     delta: float = 1e-3,
+    depth: int = 1,
 ) -> SamplingAudit:
-    """Empirical joint of (first, second) new token against count(first) * p(second | first)."""
-    pairs = Counter()
-    for seed in tqdm(range(samples), desc="audit (sampling)", unit="sample"):
+    """The token at new index `depth`, over `samples` seeded generations of depth + 2 tokens (so the first draft,
+    below the prefill's token, reaches that depth), against the target's exact distribution given the new tokens
+    before it. Each sampled token becomes a randomized probability integral transform (PIT) value under that
+    distribution (tokens in order of decreasing probability): exactly uniform on [0, 1] when sampling is lossless,
+    whatever the vocabulary size or depth, so one Kolmogorov-Smirnov distance with the DKW bound
+    sqrt(ln(2 / delta) / 2n) tests every depth."""
+    conditionals: dict[tuple[int, ...], torch.Tensor] = {}
+    uniform = torch.Generator().manual_seed(0)
+    pit = []
+    for seed in tqdm(range(samples), desc=f"audit (sampling, depth {depth})", unit="sample"):
         seeded = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        tokens, _ = generate(target, drafter, prompt, 3, seeded, verifier)
-        if len(tokens) >= 2:
-            pairs[(tokens[0], tokens[1])] += 1
-    n = sum(pairs.values())
-    firsts = Counter(first for first, _ in pairs.elements())
-    expected: dict = {}
-    for first, count in firsts.items():
-        conditional = probs_from_logits(next_token_logits(target, prompt + [first]), params)  # [V]
-        for token in (conditional * count >= 0.5).nonzero().flatten().tolist():  # cells expected at least half a time
-            expected[(first, token)] = float(conditional[token]) * count / n
-    # Cells expected less than half a time are pooled into one "other" cell: K = len(expected) + 1 categories.
-    observed: Counter = Counter()
-    for cell, c in pairs.items():
-        observed[cell if cell in expected else "other"] += c / n
-    expected["other"] = max(0.0, 1.0 - sum(expected.values()))
-    tv = 0.5 * sum(abs(observed.get(c, 0.0) - p) for c, p in expected.items())
-    bound = math.sqrt((len(expected) * math.log(2) + math.log(1 / delta)) / (2 * n))
-    return SamplingAudit(n, tv, bound)
+        tokens, _ = generate(target, drafter, prompt, depth + 2, seeded, verifier)
+        if len(tokens) <= depth:  # stopped at an end-of-sequence token before that depth
+            continue
+        prefix = tuple(tokens[:depth])
+        if prefix not in conditionals:
+            conditionals[prefix] = probs_from_logits(next_token_logits(target, prompt + list(prefix)), params)
+        pit.append(randomized_pit(conditionals[prefix], tokens[depth], uniform))
+    n = len(pit)
+    values = torch.tensor(sorted(pit), dtype=torch.float64)  # [n]
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    distance = float(torch.maximum(ranks / n - values, values - (ranks - 1) / n).max()) if n else math.inf
+    bound = math.sqrt(math.log(2 / delta) / (2 * n)) if n else 0.0
+    return SamplingAudit(n, distance, bound, depth)
+
+
+def randomized_pit(probs: torch.Tensor, token: int, generator: torch.Generator) -> float:
+    """F(token-) + U * p(token), with tokens ordered by decreasing probability: uniform on [0, 1] when token ~ probs."""
+    order = torch.argsort(probs, descending=True, stable=True)
+    rank = int((order == token).nonzero())
+    before = float(probs[order[:rank]].double().sum())
+    return before + float(torch.rand((), generator=generator, dtype=torch.float64)) * float(probs[token])

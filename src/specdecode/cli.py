@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--max-new-tokens", type=int, default=64)
     add_sampling_args(audit)
     audit.add_argument("--samples", type=int, default=0, help="seeds for the sampling audit (0 = greedy audit only)")
-    audit.add_argument("--tie-margin", type=float, help="largest logit margin counted as a near-tie (default by dtype)")
+    audit.add_argument(
+        "--depth", type=int, default=1, help="sampling audit: the new token compared (drafted at this depth)"
+    )
     audit.set_defaults(run=cmd_audit)
 
     tune = sub.add_parser("tune", help="measure this machine and pick each drafter's options (saved as defaults)")
@@ -214,9 +216,7 @@ def cmd_generate(args) -> int:
         if baseline:
             out = {"speculative": out, "baseline": baseline.as_dict(), **comparison(baseline, result)}
             if not out["identical"] and sampling["temperature"] == 0:
-                from .audit import classify_divergence
-
-                out["divergence"] = classify_divergence(target, ids, baseline.token_ids, result.token_ids).__dict__
+                out["divergences"] = [d.__dict__ for d in audit_prompt(spec, ids, args.max_new_tokens)]
         print(json.dumps(out))
         return 0
 
@@ -232,21 +232,25 @@ def cmd_generate(args) -> int:
         c = comparison(baseline, Result("", tokens, stats))
         print(f"speedup {c['speedup']:.2f}x, identical to plain decoding: {c['identical']}", file=sys.stderr)
         if not c["identical"] and sampling["temperature"] == 0:
-            print(explain_divergence(target, ids, baseline.token_ids, tokens), file=sys.stderr)
+            for d in audit_prompt(spec, ids, args.max_new_tokens):
+                print(explain_divergence(d, str(target.dtype).removeprefix("torch.")), file=sys.stderr)
     return 0
 
 
-def explain_divergence(target, prompt_ids, plain, spec) -> str:
-    from .audit import classify_divergence
+def audit_prompt(spec, prompt_ids, max_new_tokens):
+    """Every divergence of the decoder's drafter from plain greedy decoding on one prompt, classified."""
+    from .audit import audit_greedy
 
-    d = classify_divergence(target, prompt_ids, plain, spec)
+    return audit_greedy(spec.target, spec.new_drafter(), [prompt_ids], max_new_tokens).divergences
+
+
+def explain_divergence(d, dtype: str) -> str:
+    where = (f"outputs part at new token {d.position} (plain {d.plain_token}, speculative {d.speculative_token}): "
+             f"plain's top-2 margin {d.margin:.4g}, tree vs one-row forward differ by {d.observed:.3g} "
+             f"(an honest forward of that shape: {d.reference:.3g})")
     if d.kind == "bug":
-        return f"outputs part at new token {d.position} without a near-tie there: please report this as a bug."
-    dtype = str(target.dtype).removeprefix("torch.")
-    return (
-        f"outputs part at new token {d.position}, where plain decoding's top two logits are {d.margin:.3f} apart: "
-        f"a {dtype} near-tie that a different batch shape can round the other way (compare in float32 for exactness)."
-    )
+        return where + ": more than rounding explains; please report this as a bug."
+    return where + f": a {dtype} near-tie that the other batch shape rounds the other way (float32 is exact)."
 
 
 def summary(stats) -> str:
@@ -293,23 +297,25 @@ def cmd_audit(args) -> int:
     from .sampling import SamplingParams
 
     sampling = sampling_kwargs(args)
+    if args.depth < 1:
+        raise SpecDecodeError(f"--depth must be >= 1, got {args.depth}.", "Pass the draft depth to audit, e.g. 3.")
     spec = decoder_from_args(args)
     questions = select(load_questions(), list(GROUPS), args.per_group)
     prompts = [spec.encode(q.turns[0], chat=True) for q in questions]
-    report = audit_greedy(spec.target, spec.drafter, prompts, args.max_new_tokens, tie_margin=args.tie_margin)
-    print(f"greedy: {report.identical}/{len(prompts)} identical to plain decoding")
+    report = audit_greedy(spec.target, spec.drafter, prompts, args.max_new_tokens)
+    print(f"greedy: {report.identical}/{len(prompts)} identical to plain decoding, "
+          f"{len(report.divergences)} divergences ({len(report.bugs)} bugs)")
+    dtype = str(spec.target.dtype).removeprefix("torch.")
     for d in report.divergences:
-        print(
-            f"  prompt {d.prompt_index} (question {questions[d.prompt_index].question_id}): first difference at new "
-            f"token {d.position}: plain {d.plain_token}, speculative {d.speculative_token}, plain top-2 margin "
-            f"{d.margin:.4f} (runner-up {d.runner_up}): {d.kind}"
-        )
+        print(f"  prompt {d.prompt_index} (question {questions[d.prompt_index].question_id}): "
+              f"{explain_divergence(d, dtype)} [{d.kind}]")
     failed = bool(report.bugs)
     if args.samples:
         params = SamplingParams(**{**sampling, "temperature": sampling["temperature"] or 1.0})
-        result = audit_sampling(spec.target, spec.drafter, prompts[0], params, args.samples)
-        print(f"sampling (T={params.temperature}): TV {result.tv:.4f} vs bound {result.bound:.4f} over "
-              f"{result.samples} samples: {'pass' if result.passed else 'FAIL'}")
+        result = audit_sampling(spec.target, spec.drafter, prompts[0], params, args.samples, depth=args.depth)
+        print(f"sampling (T={params.temperature}, new token {result.depth} given the ones before): KS distance "
+              f"{result.distance:.4f} vs bound {result.bound:.4f} (a lossless engine stays under it with probability "
+              f"0.999) over {result.samples} samples: {'pass' if result.passed else 'FAIL'}")
         failed |= not result.passed
     print("audit: " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
 BASELINE = "none"
@@ -28,7 +29,24 @@ def aggregate(records: list[dict], methods: list[str], groups: list[str]) -> dic
             m["speedup"] = (
                 m["tokens_per_second"] / base["tokens_per_second"] if base and base["tokens_per_second"] else None
             )
+    repeats = sorted({r["repeat"] for r in records})
+    if len(repeats) > 1:
+        add_repeat_spread(table, [aggregate([r for r in records if r["repeat"] == k], methods, groups) for k in repeats])
     return table
+
+
+def add_repeat_spread(table: dict, per_repeat: list[dict]) -> None:
+    """Each speedup's median and range over the repeats, each repeat's speedup computed on its own records (the
+    pooled speedup alone hides how much one run of the same configuration differs from the next)."""
+    for method, row in table.items():
+        for group, m in row.items():
+            values = [t[method][group]["speedup"] for t in per_repeat if t[method][group]["speedup"] is not None]
+            m["speedup_repeats"] = {
+                "values": values,
+                "median": statistics.median(values) if values else None,
+                "min": min(values, default=None),
+                "max": max(values, default=None),
+            }
 
 
 def summarize(rows: list[dict], baseline_tokens: dict) -> dict:

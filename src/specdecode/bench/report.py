@@ -50,6 +50,7 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         cells = [_fmt(row[g]["speedup"], ".2f", "x") for g in groups]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {_fmt(row['overall']['tau'], '.2f')} | "
                      f"{_fmt(row['overall']['speedup'], '.2f', 'x')} |")
+    lines += _repeats_section(table, groups, config.repeats)
     lines += [
         "",
         "## Details (all groups)",
@@ -116,6 +117,28 @@ def plot(table: dict, methods: list[str], groups: list[str], out_dir: Path) -> N
     fig.tight_layout()
     fig.savefig(out_dir / "tau_vs_tokens_per_second.png", dpi=120)
     plt.close(fig)
+
+
+def _repeats_section(table: dict, groups: list[str], repeats: int) -> list[str]:
+    """Median (min-max) of each speedup over the repeats, each repeat's speedup from its own records."""
+    if "speedup_repeats" not in table[next(iter(table))]["overall"]:
+        return []
+
+    def cell(m: dict) -> str:
+        spread = m["speedup_repeats"]
+        if spread["median"] is None:
+            return "n/a"
+        return f"{spread['median']:.2f}x ({spread['min']:.2f}-{spread['max']:.2f})"
+
+    return [
+        "",
+        f"### Across the {repeats} repeats: median (min-max) of each repeat's own speedup",
+        "",
+        "| Method | " + " | ".join(GROUP_TITLES.get(g, g) for g in groups) + " | Overall |",
+        "|---|" + "---:|" * (len(groups) + 1),
+        *(f"| {method} | " + " | ".join(cell(row[g]) for g in [*groups, "overall"]) + " |"
+          for method, row in table.items()),
+    ]
 
 
 def _options_section(records) -> list[str]:

@@ -65,4 +65,5 @@ class TokenRecyclingDrafter(Drafter):
 
     def commit(self, verdict, draft, target_logits) -> None:
         node_tokens = torch.cat([torch.tensor([self.root]), draft.tokens])  # [N+1]: the rows of target_logits
-        self.adj[node_tokens] = torch.topk(target_logits, self.adj.shape[1], dim=-1).indices
+        ranked = min(self.adj.shape[1], target_logits.shape[-1])  # k may exceed a tiny vocabulary
+        self.adj[node_tokens, :ranked] = torch.topk(target_logits, ranked, dim=-1).indices
