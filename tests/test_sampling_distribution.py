@@ -15,13 +15,15 @@ import pytest
 import torch
 
 from specdecode.drafters import DRAFTERS, build_drafter
+from specdecode.drafters.slrs import SLRSDrafter
+from specdecode.drafters.tli import TLIDrafter
 from specdecode.engine import generate
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.tree import Draft
 from specdecode.verify import RejectionVerifier
 from specdecode.verify.base import verdict
 
-from conftest import native_twin, perturbed_copy, tiny_model
+from conftest import bpe_tokenizer, native_twin, perturbed_copy, tiny_model
 
 V = 5
 P0 = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])  # target at the root
@@ -134,11 +136,54 @@ SAMPLING_CASES = [
 ]
 
 
+def engine_target(tokenizer=None):
+    # the native backend: the same function with less per-forward overhead, for 4000 generations per drafter
+    model = tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=0.6)
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
+    return native_twin(model)
+
+
 @pytest.fixture(scope="module")
 def engine_setup():
-    # the native backend: the same function with less per-forward overhead, for 4000 generations per drafter
-    target = native_twin(tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=0.6))
-    draft_model = perturbed_copy(target, scale=0.5, seed=6)
+    target = engine_target()
+    return (target, perturbed_copy(target, scale=0.5, seed=6)) + exact_first_pair(target)
+
+
+# Eight-token byte-level BPE vocabularies over "abc" for drafters that take another tokenizer. The draft's "bc"
+# and "bca" are not target tokens but begin one ("bcab"): SLRS spells it as "bc" + "ab" or "bca" + "b"; its "aa"
+# and "cc" lead nowhere, so TLI's restriction drops real mass.
+ENGINE_TARGET_VOCAB = {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "ca": 5, "cab": 6, "bcab": 7}
+ENGINE_TARGET_MERGES = [("a", "b"), ("ab", "c"), ("c", "a"), ("ca", "b"), ("b", "cab")]
+ENGINE_DRAFT_VOCAB = {"c": 0, "b": 1, "a": 2, "bc": 3, "bca": 4, "ab": 5, "aa": 6, "cc": 7}
+ENGINE_DRAFT_MERGES = [("b", "c"), ("bc", "a"), ("a", "b"), ("a", "a"), ("c", "c")]
+ENGINE_DRAFT_BIAS = torch.tensor([0.0, 0.0, 0.0, 2.0, 2.0, 1.0, 2.5, 1.0])  # [Vd] towards bc, bca, ab and aa
+
+
+class LogitBias:
+    """A draft model whose logits are another model's plus a fixed [V] offset."""
+
+    def __init__(self, model, bias: torch.Tensor, tokenizer):
+        self.model, self.bias, self.tokenizer = model, bias, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, *args, **kwargs):
+        return self.model.forward(*args, **kwargs) + self.bias
+
+
+@pytest.fixture(scope="module")
+def foreign_engine_setup():
+    target = engine_target(bpe_tokenizer(vocab=ENGINE_TARGET_VOCAB, merges=ENGINE_TARGET_MERGES))
+    draft = tiny_model("llama", seed=7, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=0.6)
+    draft_model = LogitBias(native_twin(draft), ENGINE_DRAFT_BIAS,
+                            bpe_tokenizer(vocab=ENGINE_DRAFT_VOCAB, merges=ENGINE_DRAFT_MERGES))
+    return (target, draft_model) + exact_first_pair(target)
+
+
+def exact_first_pair(target) -> tuple[list[int], torch.Tensor]:
+    """A prompt and the exact [V, V] joint distribution of the first two tokens after it, at temperature 1."""
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     from specdecode.models.base import prefill
 
@@ -149,17 +194,58 @@ def engine_setup():
     for x1 in range(ENGINE_V):
         cache = target.new_cache(32)
         rows.append(probs_from_logits(prefill(target, cache, prompt + [x1]), params))
-    return target, draft_model, prompt, p1[:, None] * torch.stack(rows)  # exact joint [V, V]
+    return prompt, p1[:, None] * torch.stack(rows)  # exact joint [V, V]
 
 
 @pytest.mark.parametrize("name,variant", SAMPLING_CASES, ids=[f"{n}{v or ''}" for n, v in SAMPLING_CASES])
-def test_engine_sampling_matches_plain_sampling(engine_setup, name, variant):
-    target, draft_model, prompt, exact = engine_setup
+def test_engine_sampling_matches_plain_sampling(request, name, variant):
+    setup = "foreign_engine_setup" if DRAFTERS[name].foreign_vocabulary else "engine_setup"
+    target, draft_model, prompt, exact = request.getfixturevalue(setup)
     options = dict(variant, **({"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}))
-    drafter = build_drafter(name, target, **options)
-    n = 4000
-    counts = engine_pair_counts(target, drafter, prompt, 3, (0, 1), ENGINE_V, n)
-    assert tv(counts, exact) < tv_bound(ENGINE_V**2, n, delta=1e-3)
+    assert engine_tv(target, build_drafter(name, target, **options), prompt, exact) < ENGINE_BOUND
+
+
+class ForgetsRenormalising(TLIDrafter):
+    """A planted bug: draws from the renormalised restriction but sends the restricted mass as it was."""
+
+    def propose(self, context, params, generator):
+        self.masses = []
+        draft = super().propose(context, params, generator)
+        return Draft.chain(draft.tokens, torch.stack(self.masses[: len(draft)]) if len(draft) else None)
+
+    def propose_level(self, logits, node, params):
+        proposal = super().propose_level(logits, node, params)
+        self.masses.append(proposal.mass)
+        return proposal
+
+
+class ForgetsLongerSpellings(SLRSDrafter):
+    """A planted bug: draws from psi over every spelling but sends TLI's psi (one-token spellings only)."""
+
+    def propose(self, context, params, generator):
+        self.rows = []
+        draft = super().propose(context, params, generator)
+        return Draft.chain(draft.tokens, torch.stack(self.rows[: len(draft)]) if len(draft) else None)
+
+    def propose_level(self, logits, node, params):
+        single = TLIDrafter.propose_level(self, logits, node, params).mass
+        self.rows.append(single / single.sum())
+        return super().propose_level(logits, node, params)
+
+
+@pytest.mark.parametrize("planted", [ForgetsRenormalising, ForgetsLongerSpellings])
+def test_a_wrong_heterogeneous_proposal_fails_the_bound(foreign_engine_setup, planted):
+    target, draft_model, prompt, exact = foreign_engine_setup
+    assert engine_tv(target, planted(target, draft_model, depth=2), prompt, exact) > ENGINE_BOUND
+
+
+ENGINE_N = 4000
+ENGINE_BOUND = tv_bound(ENGINE_V**2, ENGINE_N, delta=1e-3)
+
+
+def engine_tv(target, drafter, prompt, exact) -> float:
+    """Total-variation distance between the first two sampled tokens over ENGINE_N seeded generations and `exact`."""
+    return tv(engine_pair_counts(target, drafter, prompt, 3, (0, 1), ENGINE_V, ENGINE_N), exact)
 
 
 def engine_pair_counts(target, drafter, prompt, max_new_tokens: int, at: tuple[int, int], vocab: int, n: int):

@@ -25,7 +25,7 @@ from .foreign import ForeignDrafter
 
 @register("slem")
 class SLEMDrafter(ForeignDrafter):
-    variants = ({}, {"depth": 3}, {"depth": 8, "length": "confidence", "threshold": 0.3, "lookbehind": 1})
+    variants = ({}, {"depth": 8, "length": "confidence", "threshold": 0.3, "lookbehind": 1})
     tune_grid = ({"depth": 4}, {"depth": 8, "length": "confidence", "threshold": 0.4})
 
     def __init__(self, target, draft_model, depth: int = 6, length: str = "fixed", threshold: float = 0.4,
@@ -41,7 +41,9 @@ class SLEMDrafter(ForeignDrafter):
             return Draft.empty()
         continuation = self.continue_text(logits, params, generator)
         self.view.drop_tree()
-        return Draft.chain(self.retokenize(context, continuation)[: self.depth])
+        tokens = self.retokenize(context, continuation)[: self.depth]
+        known = next((i for i, t in enumerate(tokens) if t >= self.target.vocab_size), len(tokens))
+        return Draft.chain(tokens[:known])  # (a tokenizer may know ids the model has no row for)
 
     def continue_text(self, logits: torch.Tensor, params: SamplingParams, generator) -> str:
         """The draft model's continuation (greedy, or sampled as the request samples), as text."""

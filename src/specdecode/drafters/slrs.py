@@ -36,7 +36,7 @@ from .tli import Path, Proposal, TLIDrafter
 
 @register("slrs")
 class SLRSDrafter(TLIDrafter):
-    variants = ({}, {"depth": 3, "expand": 1}, {"depth": 4, "expand": 16})
+    variants = ({}, {"depth": 3, "expand": 16})
     tune_grid = ({"depth": 4, "expand": 2}, {"depth": 6, "expand": 8})
 
     def __init__(self, target, draft_model, depth: int = 6, length: str = "fixed", threshold: float = 0.4,

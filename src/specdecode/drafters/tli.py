@@ -37,7 +37,7 @@ class Proposal:
 
 @register("tli")
 class TLIDrafter(ForeignDrafter):
-    variants = ({}, {"depth": 3}, {"depth": 8, "length": "confidence", "threshold": 0.3})
+    variants = ({}, {"depth": 8, "length": "confidence", "threshold": 0.3})
     tune_grid = ({"depth": 4}, {"depth": 8, "length": "confidence", "threshold": 0.4})
 
     def __init__(self, target, draft_model, depth: int = 6, length: str = "fixed", threshold: float = 0.4):
