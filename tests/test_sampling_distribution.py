@@ -157,11 +157,14 @@ ENGINE_TARGET_VOCAB = {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "ca": 5, "cab"
 ENGINE_TARGET_MERGES = [("a", "b"), ("ab", "c"), ("c", "a"), ("ca", "b"), ("b", "cab")]
 ENGINE_DRAFT_VOCAB = {"c": 0, "b": 1, "a": 2, "bc": 3, "bca": 4, "ab": 5, "aa": 6, "cc": 7}
 ENGINE_DRAFT_MERGES = [("b", "c"), ("bc", "a"), ("a", "b"), ("a", "a"), ("c", "c")]
-ENGINE_DRAFT_BIAS = torch.tensor([0.0, 0.0, 0.0, 2.0, 2.0, 1.0, 2.5, 1.0])  # [Vd] towards bc, bca, ab and aa
+# [input token, next token] logit offsets for the draft: after most tokens it leans to "bc" and "bca" and to the
+# dead ends "aa" and "cc"; after "bc" to "ab" and "a", after "bca" to "b", so "bcab" gets spelled often.
+ENGINE_DRAFT_BIAS = torch.tensor([[0.0, 0, 0, 4, 4, 0, 3, 2]] * 3 + [[0.0, 0, 3, -4, -4, 5, 0, 0]]
+                                 + [[0.0, 6, 0, -4, -4, 0, 0, 0]] + [[0.0, 0, 0, 4, 4, 0, 3, 2]] * 3)
 
 
 class LogitBias:
-    """A draft model whose logits are another model's plus a fixed [V] offset."""
+    """A draft model whose logits are another model's plus an offset [V, V] that depends on the input token."""
 
     def __init__(self, model, bias: torch.Tensor, tokenizer):
         self.model, self.bias, self.tokenizer = model, bias, tokenizer
@@ -169,8 +172,9 @@ class LogitBias:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def forward(self, *args, **kwargs):
-        return self.model.forward(*args, **kwargs) + self.bias
+    def forward(self, cache, input_ids, *args, **kwargs):
+        logits = self.model.forward(cache, input_ids, *args, **kwargs)  # [q or 1, V]
+        return logits + self.bias[input_ids[-logits.shape[0] :]]
 
 
 @pytest.fixture(scope="module")
