@@ -150,8 +150,8 @@ def test_smollm2_drafts_for_a_target_of_another_vocabulary(smollm2, name):
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", HETERO)
 def test_smollm2_target_with_a_draft_of_another_vocabulary(smollm2, name):
-    """The reverse: SmolLM2 is the target, a perturbed SmolLM2 under another tokenizer drafts (same pieces and
-    weights, other ids, the last merges missing), so drafts get accepted."""
+    """The reverse: SmolLM2 is the target, a perturbed SmolLM2 under another tokenizer drafts (its pieces without
+    the last 5000 merges, under other ids; the weights' rows moved with them), so drafts get accepted."""
     draft_model = perturbed_copy(smollm2, scale=0.02, seed=4)
     draft_model.tokenizer = renumbered(smollm2.tokenizer)
     draft_model = reindexed(draft_model, smollm2.tokenizer)
@@ -164,27 +164,30 @@ def test_smollm2_target_with_a_draft_of_another_vocabulary(smollm2, name):
     assert stats.accepted_tokens > 10  # the foreign draft agrees with the target often
 
 
-def renumbered(tokenizer):
-    """SmolLM2's tokenizer with its regular pieces under reversed ids (special tokens keep theirs)."""
+def renumbered(tokenizer, dropped_merges: int = 5000):
+    """SmolLM2's tokenizer without its last merges (and the pieces they make), its regular pieces under reversed
+    ids (special tokens keep theirs)."""
     import json
 
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    merges = spec["model"]["merges"][: -dropped_merges]
+    gone = {"".join(m.split(" ") if isinstance(m, str) else m) for m in spec["model"]["merges"][-dropped_merges:]}
     special = {t["id"] for t in spec["added_tokens"]}
-    vocab = spec["model"]["vocab"]
-    regular = sorted((i for i in vocab.values() if i not in special), reverse=True)
-    order = sorted(i for i in vocab.values() if i not in special)
-    new_id = dict(zip(order, regular))
+    vocab = {piece: i for piece, i in spec["model"]["vocab"].items() if piece not in gone or i in special}
+    regular = sorted(i for i in vocab.values() if i not in special)
+    new_id = dict(zip(regular, reversed(regular)))
     spec["model"]["vocab"] = {piece: new_id.get(i, i) for piece, i in vocab.items()}
+    spec["model"]["merges"] = merges
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
 
 
 def reindexed(model, old_tokenizer):
     """The model's embedding and output rows moved to the new tokenizer's ids of the same pieces."""
     old, new = old_tokenizer.get_vocab(), model.tokenizer.get_vocab()
-    index = torch.arange(model.vocab_size)
+    index = torch.arange(model.vocab_size)  # ids the new tokenizer does not use keep their rows
     for piece, new_id in new.items():
         index[new_id] = old[piece]
     model.embedding = model.embedding[index].clone()

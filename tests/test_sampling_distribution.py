@@ -136,9 +136,9 @@ SAMPLING_CASES = [
 ]
 
 
-def engine_target(tokenizer=None):
+def engine_target(tokenizer=None, initializer_range: float = 0.6):
     # the native backend: the same function with less per-forward overhead, for 4000 generations per drafter
-    model = tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=0.6)
+    model = tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=initializer_range)
     if tokenizer is not None:
         model.tokenizer = tokenizer
     return native_twin(model)
@@ -179,7 +179,8 @@ class LogitBias:
 
 @pytest.fixture(scope="module")
 def foreign_engine_setup():
-    target = engine_target(bpe_tokenizer(vocab=ENGINE_TARGET_VOCAB, merges=ENGINE_TARGET_MERGES))
+    # a flatter target than engine_setup's, so a wrong draft probability shows in the second token
+    target = engine_target(bpe_tokenizer(vocab=ENGINE_TARGET_VOCAB, merges=ENGINE_TARGET_MERGES), 0.15)
     draft = tiny_model("llama", seed=7, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=0.6)
     draft_model = LogitBias(native_twin(draft), ENGINE_DRAFT_BIAS,
                             bpe_tokenizer(vocab=ENGINE_DRAFT_VOCAB, merges=ENGINE_DRAFT_MERGES))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 from functools import lru_cache
+
 import torch
 
 from ..errors import SpecDecodeError
@@ -198,4 +199,3 @@ class ForeignDrafter(Drafter):
     def commit(self, verdict, draft, target_logits) -> None:
         drafted = len(draft)
         self.length.update(len(verdict.accepted), drafted)
-

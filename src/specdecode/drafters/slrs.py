@@ -1,7 +1,7 @@
 """SLRS, String-Level Rejection Sampling (Timor et al., 2025, arXiv 2502.05202, Algorithm 3): the proposal for the
 next target token is a distribution over strings: psi(t) sums the draft model's probability of t's string over
-the draft tokenizations that spell it, so a target token the draft writes in several of its own tokens (" there"
-as " th" + "ere") gets the mass TLI (tli.py) leaves out. The target verifies with ordinary rejection sampling
+the draft tokenizations that spell it, so a target token the draft writes in several of its own tokens (" Fibonacci"
+as " Fibon" + "acci", where " Fibon" is no target token) gets the mass TLI (tli.py) leaves out. The target verifies with ordinary rejection sampling
 against psi.
 
 What is exact here, and why it stays lossless. The proposal process is: sample draft tokens one at a time and stop
@@ -10,7 +10,7 @@ psi(t) is the probability of stopping at t, summed over every draft path. A path
 that are not target strings, so psi(t) is a sum over exponentially many paths (the paper's Lemma 3.1); we compute
 it exactly over a bounded tree: the draft's next-token distribution gives every one-token path, and the `expand`
 likeliest unfinished paths (draft text that is not a target token but begins one) are run one more draft token,
-best first by path probability. Paths that leave that tree are dropped and psi is renormalised over what the tree
+best first by path probability, in rounds (one draft forward runs a round's paths together). Paths that leave that tree are dropped and psi is renormalised over what the tree
 reaches. The tree depends only on the draft model's own probabilities, so psi is the exact distribution the
 proposal is drawn from, and the rejection verifier (accept t with min(1, p(t)/psi(t)), else resample from
 norm(max(p - psi, 0))) emits exactly the target's distribution. With expand=0 this is TLI. The next proposal of
@@ -61,20 +61,21 @@ class SLRSDrafter(TLIDrafter):
         heap = [(-float(w), next(order), self.bridge.draft_bytes[d], node, d)
                 for w, d in zip(top.values.tolist(), top.indices.tolist())]
         heapq.heapify(heap)
-        for _ in range(self.expand):
-            if not heap:
-                break
-            negative_weight, _, prefix, parent, token = heapq.heappop(heap)
-            here_logits = self.view.grow([token], [parent])[0]
-            here = len(self.view.nodes) - 1
-            here_probs = self.draft_distribution(here_logits, params)  # [Vd]
-            for weight, text, draft_token, finished in self.continuations(prefix, -negative_weight, here_probs):
-                if finished:
-                    target_token = self.bridge.target_id[text]
-                    mass[target_token] += weight
-                    spelled.setdefault(target_token, []).append((weight, here, draft_token))
-                else:
-                    heapq.heappush(heap, (-weight, next(order), text, here, draft_token))
+        budget = self.expand
+        while heap and budget > 0:  # rounds: the likeliest unfinished paths, run together in one forward
+            batch = [heapq.heappop(heap) for _ in range(min(budget, len(heap)))]
+            budget -= len(batch)
+            batch_logits = self.view.grow([entry[4] for entry in batch], [entry[3] for entry in batch])  # [F, Vd]
+            first = len(self.view.nodes) - len(batch)
+            for row, (negative_weight, _, prefix, _, _) in enumerate(batch):
+                here_probs = self.draft_distribution(batch_logits[row], params)  # [Vd]
+                for weight, text, draft_token, finished in self.continuations(prefix, -negative_weight, here_probs):
+                    if finished:
+                        target_token = self.bridge.target_id[text]
+                        mass[target_token] += weight
+                        spelled.setdefault(target_token, []).append((weight, first + row, draft_token))
+                    else:
+                        heapq.heappush(heap, (-weight, next(order), text, first + row, draft_token))
 
         def paths_of(target_token: int) -> list[Path]:
             return single.paths_of(target_token) + spelled.get(target_token, [])
