@@ -210,31 +210,30 @@ def test_engine_sampling_matches_plain_sampling(request, name, variant):
     assert engine_tv(target, build_drafter(name, target, **options), prompt, exact) < ENGINE_BOUND
 
 
-class ForgetsRenormalising(TLIDrafter):
-    """A planted bug: draws from the renormalised restriction but sends the restricted mass as it was."""
+class SendsOtherRows:
+    """For planted bugs: draws its chain as the drafter does, but sends the rows its levels put in self.sent."""
 
     def propose(self, context, params, generator):
-        self.masses = []
+        self.sent = []
         draft = super().propose(context, params, generator)
-        return Draft.chain(draft.tokens, torch.stack(self.masses[: len(draft)]) if len(draft) else None)
+        return Draft.chain(draft.tokens, torch.stack(self.sent[: len(draft)]) if len(draft) else None)
+
+
+class ForgetsRenormalising(SendsOtherRows, TLIDrafter):
+    """A planted bug: draws from the renormalised restriction but sends the restricted mass as it was."""
 
     def propose_level(self, logits, node, params):
         proposal = super().propose_level(logits, node, params)
-        self.masses.append(proposal.mass)
+        self.sent.append(proposal.mass)
         return proposal
 
 
-class ForgetsLongerSpellings(SLRSDrafter):
+class ForgetsLongerSpellings(SendsOtherRows, SLRSDrafter):
     """A planted bug: draws from psi over every spelling but sends TLI's psi (one-token spellings only)."""
-
-    def propose(self, context, params, generator):
-        self.rows = []
-        draft = super().propose(context, params, generator)
-        return Draft.chain(draft.tokens, torch.stack(self.rows[: len(draft)]) if len(draft) else None)
 
     def propose_level(self, logits, node, params):
         single = TLIDrafter.propose_level(self, logits, node, params).mass
-        self.rows.append(single / single.sum())
+        self.sent.append(single / single.sum())
         return super().propose_level(logits, node, params)
 
 
