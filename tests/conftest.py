@@ -126,8 +126,8 @@ def smollm2():
 # ---- draft models with another tokenizer (slem, tli, slrs) ----------------------------------------------------
 
 # The target's vocabulary: a byte-level BPE trained here, 64 tokens (the tiny models' vocabulary). The draft's:
-# the same text pieces under other ids, without the target's last merges and with pieces of its own ("rat",
-# "ther", "Ġthe"), some of which begin target tokens ("ratĠ", "therĠ"...), so the two tokenize text differently.
+# the same text pieces under other ids, without the target's last ten merges and with pieces of its own ("rat",
+# "ther", "Ġthe"), some of which begin target tokens ("rat" begins "ratĠ"), so the two tokenize text differently.
 TARGET_TEXTS = ["the cat sat on the mat and the rat ate the hat", "a fat cat and a thin rat meet on a mat",
                 "these are then the other three"] * 3
 DRAFT_OWN_MERGES = [("r", "at"), ("the", "r"), ("Ġ", "the")]
