@@ -122,3 +122,80 @@ def smollm2():
     if os.environ.get("SPECDECODE_SKIP_REAL") == "1":
         pytest.skip("SPECDECODE_SKIP_REAL=1")
     return load_model("smollm2-135m-instruct", "float32")
+
+
+# ---- draft models with another tokenizer (slem, tli, slrs) ----------------------------------------------------
+
+# The target's vocabulary: a byte-level BPE trained here, 64 tokens (the tiny models' vocabulary). The draft's:
+# the same text pieces under other ids, without the target's last ten merges and with pieces of its own ("rat",
+# "ther", "Ġthe"), some of which begin target tokens ("rat" begins "ratĠ"), so the two tokenize text differently.
+TARGET_TEXTS = ["the cat sat on the mat and the rat ate the hat", "a fat cat and a thin rat meet on a mat",
+                "these are then the other three"] * 3
+DRAFT_OWN_MERGES = [("r", "at"), ("the", "r"), ("Ġ", "the")]
+
+
+def foreign_tokenizers():
+    """(target tokenizer, draft tokenizer): see TARGET_TEXTS."""
+    import json
+
+    target = bpe_tokenizer(TARGET_TEXTS, 64)
+    model = json.loads(target.backend_tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    merges = merges[:-10] + DRAFT_OWN_MERGES
+    pieces = sorted(model["vocab"], key=model["vocab"].get)[: len(model["vocab"]) - 10]
+    pieces += ["".join(m) for m in DRAFT_OWN_MERGES]
+    vocab = {piece: len(pieces) - 1 - i for i, piece in enumerate(pieces)}  # reversed ids
+    return target, bpe_tokenizer(vocab=vocab, merges=merges)
+
+
+def bpe_tokenizer(texts: list[str] | None = None, size: int = 0, vocab: dict | None = None, merges=None):
+    """A byte-level BPE tokenizer (Qwen's and SmolLM2's kind), trained on `texts` up to `size` tokens or given
+    by its vocab and merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(vocab, merges) if vocab is not None else models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if texts:
+        tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def foreign_copy(target: HFModel, tokenizer, scale: float, seed: int) -> HFModel:
+    """A draft model for `target` with another tokenizer: the target's layers (perturbed by `scale`), its embedding
+    and output rows moved to the draft ids of the same strings, random rows for the draft's own strings."""
+    from specdecode.drafters.foreign import token_keys
+
+    draft_size = len(tokenizer)
+    target_keys = token_keys(target.tokenizer, target.vocab_size)
+    row_of = {key: index for index, key in enumerate(target_keys) if key is not None}
+    config = target.model.config.__class__(**{**target.model.config.to_dict(), "vocab_size": draft_size})
+    torch.manual_seed(seed)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    state = {k: v for k, v in target.model.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+    model.load_state_dict(state, strict=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" not in name and "lm_head" not in name:
+                p.add_(torch.randn(p.shape, generator=gen) * scale * p.float().std())
+        for draft_id, key in enumerate(token_keys(tokenizer, draft_size)):
+            if key in row_of:
+                model.get_input_embeddings().weight[draft_id] = target.model.get_input_embeddings().weight[row_of[key]]
+                model.get_output_embeddings().weight[draft_id] = target.model.get_output_embeddings().weight[row_of[key]]
+    return HFModel(model, tokenizer, name=target.name + "-foreign-draft")
+
+
+def tiny_foreign_pair(target_spec: str, seed: int = 1):
+    """(target, draft model of another tokenizer) for a TARGETS entry; the draft runs on transformers."""
+    family, _, backend = target_spec.partition(":")
+    target = tiny_model(family, seed=seed)
+    target.tokenizer, draft_tokenizer = foreign_tokenizers()
+    draft_model = foreign_copy(target, draft_tokenizer, scale=0.1, seed=seed + 1)
+    if backend:
+        return native_twin(target, backend.removeprefix("native").lstrip("-") or "none"), draft_model
+    return target, draft_model
+

@@ -194,3 +194,27 @@ def test_llama_cpp_rows_run_in_the_bench(smollm2, tmp_path):
     write_report(config, records, tmp_path, machine, "2026-01-01 00:00 UTC")
     report = (tmp_path / "report.md").read_text()
     assert "| llama.cpp |" in report and "| llama.cpp-pld |" in report and "llama-cpp-python z" in report
+
+
+def test_hf_uag_peer_is_universal_assisted_generation():
+    """`hf-uag:MODEL` runs transformers' generate with a draft model of another tokenizer; greedy, it says what
+    plain decoding says."""
+    from specdecode.engine import generate
+    from specdecode.sampling import SamplingParams
+
+    from conftest import tiny_foreign_pair
+
+    target, draft_model = tiny_foreign_pair("qwen2")
+    target.eos_token_ids = frozenset({63})
+    loads = []
+
+    def load(spec, weights=None, draft=False):
+        loads.append((spec, weights))
+        return draft_model
+
+    method = build_method("hf-uag:tiny-draft", target, load=load)
+    assert loads == [("tiny-draft", "hf")]
+    assert method.options["assistant_tokenizer"] is draft_model.tokenizer
+    prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9]
+    plain, _ = generate(target, build_drafter("none", target), prompt, 16, SamplingParams())
+    assert method.run(prompt, 16, SamplingParams())["token_ids"] == plain

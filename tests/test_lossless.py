@@ -1,4 +1,6 @@
-"""Every registered drafter, in every variant it declares, is token-identical to plain greedy decoding (float32)."""
+"""Every registered drafter, in every variant it declares, is token-identical to plain greedy decoding (float32).
+Drafters that take a draft model of another tokenizer (foreign_vocabulary) get one: the tiny target then speaks a
+byte-level BPE vocabulary and the draft model another (conftest.foreign_tokenizers)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.text import chat_prompt_ids
 from specdecode.tree import Draft
 
-from conftest import TARGETS, perturbed_copy, tiny_pair as make_tiny_pair
+from conftest import TARGETS, perturbed_copy, tiny_foreign_pair, tiny_pair as make_tiny_pair
 
 CASES = [(name, variant) for name, cls in sorted(DRAFTERS.items()) for variant in cls.variants]
 IDS = [f"{name}{variant or ''}" for name, variant in CASES]
@@ -26,8 +28,23 @@ def make_drafter(name, variant, target, draft_model):
 
 
 @pytest.fixture(scope="module", params=TARGETS)
-def tiny_pair(request):
-    return make_tiny_pair(request.param, seed=1)
+def target_spec(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(target_spec):
+    return make_tiny_pair(target_spec, seed=1)
+
+
+@pytest.fixture(scope="module")
+def foreign_pair(target_spec):
+    return tiny_foreign_pair(target_spec, seed=1)
+
+
+def pair_for(request, name: str):
+    """(target, draft model) for a drafter: a draft model of another tokenizer when the drafter takes one."""
+    return request.getfixturevalue("foreign_pair" if DRAFTERS[name].foreign_vocabulary else "tiny_pair")
 
 
 PROMPTS = [
@@ -37,8 +54,8 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("name,variant", CASES, ids=IDS)
-def test_tiny_models_greedy_identical_to_plain(tiny_pair, name, variant):
-    target, draft_model = tiny_pair
+def test_tiny_models_greedy_identical_to_plain(request, target_spec, name, variant):
+    target, draft_model = pair_for(request, name)
     accepted = 0
     for prompt in PROMPTS:
         plain, plain_stats = generate(target, build_drafter("none", target), prompt, 40, GREEDY)

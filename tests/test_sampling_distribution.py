@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from specdecode.drafters import DRAFTERS, build_drafter
+from specdecode.drafters.slrs import SLRSDrafter
+from specdecode.drafters.tli import TLIDrafter
 from specdecode.engine import generate
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.tree import Draft, depths
@@ -23,7 +25,7 @@ from specdecode.verify import RejectionVerifier
 from specdecode.verify.rejection import residual
 from specdecode.verify.base import verdict
 
-from conftest import native_twin, perturbed_copy, tiny_model
+from conftest import bpe_tokenizer, native_twin, perturbed_copy, tiny_model
 
 V = 5
 P0 = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])  # target at the root
@@ -145,8 +147,9 @@ SETTINGS = [  # each case runs one, in turn, so every drafter meets several
     SamplingParams(temperature=1.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=2),
     SamplingParams(temperature=1.0, top_p=0.95),
 ]
-SAMPLING_CASES = [
-    (name, variant) for name, cls in sorted(DRAFTERS.items()) if cls.supports_sampling for variant in cls.variants
+SAMPLING_CASES = [  # foreign-vocabulary drafters have their own setup below (two tokenizers that differ)
+    (name, variant) for name, cls in sorted(DRAFTERS.items())
+    if cls.supports_sampling and not cls.foreign_vocabulary for variant in cls.variants
 ]
 
 
@@ -289,3 +292,131 @@ def test_planted_engine_bugs_fail_the_test(engine_setup, monkeypatch, bug, name,
     monkeypatch.setattr(*PLANTED[bug])
     p_value, _, _ = engine_case(engine_setup, name, variant, SETTINGS[0])
     assert p_value < ALPHA, p_value
+
+
+# ---- drafters with another tokenizer: the first two tokens, through the engine ----------------------------------
+
+FOREIGN_V = 8
+
+
+def foreign_target(tokenizer=None, initializer_range: float = 0.6):
+    model = tiny_model("llama", seed=5, vocab=FOREIGN_V, layers=1, hidden=16, initializer_range=initializer_range)
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
+    return native_twin(model)
+
+
+# Eight-token byte-level BPE vocabularies over "abc" for drafters that take another tokenizer. The draft's "bc"
+# and "bca" are not target tokens but begin one ("bcab"): SLRS spells it as "bc" + "ab" or "bca" + "b"; its "aa"
+# and "cc" lead nowhere, so TLI's restriction drops real mass.
+ENGINE_TARGET_VOCAB = {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "ca": 5, "cab": 6, "bcab": 7}
+ENGINE_TARGET_MERGES = [("a", "b"), ("ab", "c"), ("c", "a"), ("ca", "b"), ("b", "cab")]
+ENGINE_DRAFT_VOCAB = {"c": 0, "b": 1, "a": 2, "bc": 3, "bca": 4, "ab": 5, "aa": 6, "cc": 7}
+ENGINE_DRAFT_MERGES = [("b", "c"), ("bc", "a"), ("a", "b"), ("a", "a"), ("c", "c")]
+# [input token, next token] logit offsets for the draft: after most tokens it leans to "bc" and "bca" and to the
+# dead ends "aa" and "cc"; after "bc" to "ab" and "a", after "bca" to "b", so "bcab" gets spelled often.
+ENGINE_DRAFT_BIAS = torch.tensor([[0.0, 0, 0, 4, 4, 0, 3, 2]] * 3 + [[0.0, 0, 3, -4, -4, 5, 0, 0]]
+                                 + [[0.0, 6, 0, -4, -4, 0, 0, 0]] + [[0.0, 0, 0, 4, 4, 0, 3, 2]] * 3)
+
+
+class LogitBias:
+    """A draft model whose logits are another model's plus an offset [V, V] that depends on the input token."""
+
+    def __init__(self, model, bias: torch.Tensor, tokenizer):
+        self.model, self.bias, self.tokenizer = model, bias, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, cache, input_ids, *args, **kwargs):
+        logits = self.model.forward(cache, input_ids, *args, **kwargs)  # [q or 1, V]
+        return logits + self.bias[input_ids[-logits.shape[0] :]]
+
+
+@pytest.fixture(scope="module")
+def foreign_engine_setup():
+    # a flatter target than engine_setup's, so a wrong draft probability shows in the second token
+    target = foreign_target(bpe_tokenizer(vocab=ENGINE_TARGET_VOCAB, merges=ENGINE_TARGET_MERGES), 0.15)
+    draft = tiny_model("llama", seed=7, vocab=FOREIGN_V, layers=1, hidden=16, initializer_range=0.6)
+    draft_model = LogitBias(native_twin(draft), ENGINE_DRAFT_BIAS,
+                            bpe_tokenizer(vocab=ENGINE_DRAFT_VOCAB, merges=ENGINE_DRAFT_MERGES))
+    return (target, draft_model) + foreign_exact_first_pair(target)
+
+
+def foreign_exact_first_pair(target) -> tuple[list[int], torch.Tensor]:
+    """A prompt and the exact [V, V] joint distribution of the first two tokens after it, at temperature 1."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    from specdecode.models.base import prefill
+
+    cache = target.new_cache(32)
+    params = SamplingParams(temperature=1.0)
+    p1 = probs_from_logits(prefill(target, cache, prompt), params)  # [V]
+    rows = []
+    for x1 in range(FOREIGN_V):
+        cache = target.new_cache(32)
+        rows.append(probs_from_logits(prefill(target, cache, prompt + [x1]), params))
+    return prompt, p1[:, None] * torch.stack(rows)  # exact joint [V, V]
+
+
+FOREIGN_CASES = [
+    (name, variant) for name, cls in sorted(DRAFTERS.items())
+    if cls.supports_sampling and cls.foreign_vocabulary for variant in cls.variants
+]
+
+
+@pytest.mark.parametrize("name,variant", FOREIGN_CASES, ids=[f"{n}{v or ''}" for n, v in FOREIGN_CASES])
+def test_foreign_vocabulary_sampling_matches_plain_sampling(foreign_engine_setup, name, variant):
+    target, draft_model, prompt, exact = foreign_engine_setup
+    options = dict(variant, **({"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}))
+    assert foreign_tv(target, build_drafter(name, target, **options), prompt, exact) < FOREIGN_BOUND
+
+
+class SendsOtherRows:
+    """For planted bugs: draws its chain as the drafter does, but sends the rows its levels put in self.sent."""
+
+    def propose(self, context, params, generator):
+        self.sent = []
+        draft = super().propose(context, params, generator)
+        return Draft.chain(draft.tokens, torch.stack(self.sent[: len(draft)]) if len(draft) else None)
+
+
+class ForgetsRenormalising(SendsOtherRows, TLIDrafter):
+    """A planted bug: draws from the renormalised restriction but sends the restricted mass as it was."""
+
+    def propose_level(self, logits, node, params):
+        proposal = super().propose_level(logits, node, params)
+        self.sent.append(proposal.mass)
+        return proposal
+
+
+class ForgetsLongerSpellings(SendsOtherRows, SLRSDrafter):
+    """A planted bug: draws from psi over every spelling but sends TLI's psi (one-token spellings only)."""
+
+    def propose_level(self, logits, node, params):
+        single = TLIDrafter.propose_level(self, logits, node, params).mass
+        self.sent.append(single / single.sum())
+        return super().propose_level(logits, node, params)
+
+
+@pytest.mark.parametrize("planted", [ForgetsRenormalising, ForgetsLongerSpellings])
+def test_a_wrong_heterogeneous_proposal_fails_the_bound(foreign_engine_setup, planted):
+    target, draft_model, prompt, exact = foreign_engine_setup
+    assert foreign_tv(target, planted(target, draft_model, depth=2), prompt, exact) > FOREIGN_BOUND
+
+
+FOREIGN_N = 4000
+FOREIGN_BOUND = tv_bound(FOREIGN_V**2, FOREIGN_N, delta=1e-3)
+
+
+def foreign_tv(target, drafter, prompt, exact) -> float:
+    """Total-variation distance between the first two sampled tokens over FOREIGN_N seeded generations and `exact`."""
+    return tv(foreign_pair_counts(target, drafter, prompt, 3, (0, 1), FOREIGN_V, FOREIGN_N), exact)
+
+
+def foreign_pair_counts(target, drafter, prompt, max_new_tokens: int, at: tuple[int, int], vocab: int, n: int):
+    """[V, V] counts of the new tokens at positions `at` over n seeded engine generations at temperature 1."""
+    counts = torch.zeros(vocab, vocab)
+    for seed in range(n):
+        tokens, _ = generate(target, drafter, prompt, max_new_tokens, SamplingParams(temperature=1.0, seed=seed))
+        counts[tokens[at[0]], tokens[at[1]]] += 1
+    return counts

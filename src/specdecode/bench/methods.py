@@ -1,7 +1,9 @@
 """Rows of a benchmark: our drafters through the engine, and peers (transformers' own speculative decoding).
 
 Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `draft:qwen2.5-coder-0.5b-instruct+depth=5`),
-`hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-pld` (transformers' prompt lookup), and
+`hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-uag:DRAFT_MODEL` (transformers' universal
+assisted generation: a draft model of another tokenizer, string-level matching when greedy and token-level
+intersection when sampling), `hf-pld` (transformers' prompt lookup), and
 `hf-plain` (transformers' own generate, to compare our baseline with), and `llama.cpp` / `llama.cpp-pld`
 (llama-cpp-python's plain and prompt-lookup decoding of the target's GGUF file; see llamacpp.py). Any spec but
 the llama.cpp ones may end in @WEIGHTS (`@hf`, `@native`, `@native-int4`, ...) to run on other target weights
@@ -116,7 +118,8 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
     if name not in DRAFTERS:
         raise SpecDecodeError(
             f"unknown method '{spec}'.",
-            f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld, hf-assisted:MODEL, llama.cpp or "
+            f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld, hf-assisted:MODEL, hf-uag:MODEL, "
+            "llama.cpp or "
             "llama.cpp-pld.",
         )
     options = parse_options(option_pairs)
@@ -137,4 +140,8 @@ def _transformers_method(spec: str, head: str, target: CausalLM, load) -> Method
         return TransformersMethod(spec, target, prompt_lookup_num_tokens=10)
     if head.startswith("hf-assisted:"):
         return TransformersMethod(spec, target, assistant_model=load(head.split(":", 1)[1], "hf").model)
-    raise SpecDecodeError(f"unknown method '{spec}'.", "Use hf-plain, hf-pld or hf-assisted:MODEL.")
+    if head.startswith("hf-uag:"):
+        assistant = load(head.split(":", 1)[1], "hf")
+        return TransformersMethod(spec, target, assistant_model=assistant.model, tokenizer=target.tokenizer,
+                                  assistant_tokenizer=assistant.tokenizer)
+    raise SpecDecodeError(f"unknown method '{spec}'.", "Use hf-plain, hf-pld, hf-assisted:MODEL or hf-uag:MODEL.")

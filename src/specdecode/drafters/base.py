@@ -44,6 +44,7 @@ def register(name: str):
 class Drafter(ABC):
     name: ClassVar[str]
     needs_draft_model: ClassVar[bool] = False  # True: the constructor takes draft_model=<CausalLM>
+    foreign_vocabulary: ClassVar[bool] = False  # True: that draft model may use another tokenizer than the target
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
@@ -95,10 +96,8 @@ def build_drafter(name: str, target, draft_model=None, **options) -> Drafter:
     cls = DRAFTERS[name]
     check_options(name, options)
     if cls.needs_draft_model and draft_model is None:
-        raise SpecDecodeError(
-            f"drafter '{name}' needs a draft model.",
-            "Pass --draft-model NAME (a smaller model with the same tokenizer).",
-        )
+        kind = "any smaller model, whatever its tokenizer" if cls.foreign_vocabulary else "a smaller model with the same tokenizer"
+        raise SpecDecodeError(f"drafter '{name}' needs a draft model.", f"Pass --draft-model NAME ({kind}).")
     own = {key: value for key, value in options.items() if key not in HYBRID_OPTIONS}
     hybrid = {key: value for key, value in options.items() if key in HYBRID_OPTIONS}
     try:

@@ -99,6 +99,7 @@ def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:
     if not _same_vocabulary(target.tokenizer, draft.tokenizer):
         raise SpecDecodeError(
             f"draft model {draft.name} uses a different tokenizer than the target {target.name}.",
-            "Use a draft model of the same family (same tokenizer); heterogeneous-vocabulary drafters "
-            "(token-level intersection, string-level exact match) are planned for such pairs.",
+            "Use a draft model of the same family (same tokenizer), or a drafter for any tokenizer: "
+            "--drafter slem (string-level exact match), tli (token-level intersection) or slrs (string-level "
+            "rejection sampling).",
         )
