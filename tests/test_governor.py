@@ -12,7 +12,7 @@ from specdecode.engine import generate
 from specdecode.governor import Governor
 from specdecode.sampling import SamplingParams
 
-from conftest import tiny_pair
+from conftest import tiny_foreign_pair, tiny_pair
 
 GREEDY = SamplingParams()
 
@@ -77,7 +77,8 @@ class Scripted(Governor):
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_any_plan_is_lossless(name):
-    target, draft_model = tiny_pair("qwen2:native-int4", seed=5)
+    pair = tiny_foreign_pair if DRAFTERS[name].foreign_vocabulary else tiny_pair
+    target, draft_model = pair("qwen2:native-int4", seed=5)
     prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
     options = {"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}
     plain, _ = generate(target, build_drafter("none", target), prompt, 40, GREEDY)
