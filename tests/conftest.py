@@ -121,3 +121,23 @@ def smollm2():
     if os.environ.get("SPECDECODE_SKIP_REAL") == "1":
         pytest.skip("SPECDECODE_SKIP_REAL=1")
     return load_model("smollm2-135m-instruct", "float32")
+
+
+@pytest.fixture(autouse=True)
+def random_heads(monkeypatch):
+    """Head drafters (eagle, eagle3, medusa) built without a head folder get a randomly initialised head when no
+    trained one is cached for the target: enough for every losslessness check. EAGLE-3's draft vocabulary is then
+    half the target's, so the d2t mapping is exercised."""
+    from specdecode.drafters import eagle
+    from specdecode.heads.store import cache_dir
+    from specdecode.heads.target import new_head
+
+    resolve = eagle.resolve_head
+
+    def random_or_cached(target, kind, draft_model):
+        if draft_model is None and not (cache_dir(target.name, kind) / "config.json").is_file():
+            vocab = target.vocab_size // 2 if kind == "eagle3" else 0
+            return new_head(kind, target, seed=len(kind), draft_vocab_size=vocab).to(target.dtype)
+        return resolve(target, kind, draft_model)
+
+    monkeypatch.setattr(eagle, "resolve_head", random_or_cached)

@@ -31,6 +31,8 @@ def register(name: str):
 class Drafter(ABC):
     name: ClassVar[str]
     needs_draft_model: ClassVar[bool] = False  # True: the constructor takes draft_model=<CausalLM>
+    # True: draft_model (optional) is a folder the drafter loads itself (a trained head), not a CausalLM
+    takes_draft_folder: ClassVar[bool] = False
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     options: dict = {}  # the options build_drafter passed (given, or from the tuned profile); {} = defaults
@@ -73,7 +75,7 @@ def build_drafter(name: str, target, **options) -> Drafter:
         raise SpecDecodeError(
             f"drafter '{name}' needs a draft model.", "Pass --draft-model NAME (a smaller model with the same tokenizer)."
         )
-    if not cls.needs_draft_model:
+    if not cls.needs_draft_model and not (cls.takes_draft_folder and options.get("draft_model") is not None):
         options.pop("draft_model", None)
     try:
         drafter = cls(target, **options)
