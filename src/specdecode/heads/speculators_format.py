@@ -87,14 +87,15 @@ def speculators_config(config: HeadConfig) -> dict:
 def _layer_shapes(layer: dict, **extra) -> dict:
     rope = layer.get("rope_parameters") or {}
     heads = layer["num_attention_heads"]
-    return dict(
+    shapes = dict(
         hidden_size=layer["hidden_size"], vocab_size=layer["vocab_size"], num_attention_heads=heads,
         num_key_value_heads=layer.get("num_key_value_heads") or heads,
         head_dim=layer.get("head_dim") or layer["hidden_size"] // heads, intermediate_size=layer["intermediate_size"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
-        attention_bias=bool(layer.get("attention_bias", False)), **extra,
+        attention_bias=bool(layer.get("attention_bias", False)),
     )
+    return {**shapes, **extra}
 
 
 def read_speculators(raw: dict, weights: dict[str, torch.Tensor]) -> tuple[HeadConfig, dict]:

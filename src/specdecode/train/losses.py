@@ -50,7 +50,7 @@ def eagle_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[tor
     logits = predicted @ frozen["lm_head"].T
     token = masked_mean(soft_cross_entropy(target_logits, logits), rows)
     accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), rows)
-    return regression + 0.1 * token, {"acc": float(accuracy), "reg": float(regression)}
+    return regression + 0.1 * token, {"acc": float(accuracy), "reg": float(regression.detach())}
 
 
 def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True) -> tuple[torch.Tensor, dict]:
