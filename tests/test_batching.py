@@ -162,3 +162,34 @@ def test_a_cancelled_request_is_dropped_and_its_slot_freed():
         time.sleep(0.05)
     assert scheduler.active == 0 and scheduler.pool.keys is None
     assert DONE not in items and sum(len(step) for step in items) < 200  # stopped early, not run to the end
+
+
+def test_a_request_cancelled_while_others_run_gets_no_further_forward():
+    """A request cancelled during another request's round is dropped before the next round, even when no new
+    request arrives in between (the sweep once ran only while starting new requests)."""
+    target = tiny_model("llama", seed=1)
+    scheduler = Scheduler(target, max_batch=1)  # one request per round: the two alternate
+    forward_batch, late = target.forward_batch, []
+    jobs: list = []
+    cancelled_cache: list = []
+
+    def forward_batch_cancelling_the_other(requests):
+        first = jobs[0]
+        if first.cancelled.is_set():
+            late.extend(request for request in requests if request.cache is cancelled_cache[0])
+        elif first.request is not None and all(request is not first.request for request in requests):
+            cancelled_cache.append(first.request.cache)
+            first.cancel()  # while the worker runs the other request's round
+        return forward_batch(requests)
+
+    target.forward_batch = forward_batch_cancelling_the_other
+    done = threading.Semaphore(0)
+    for prompt in PROMPTS[:2]:
+        steps = decode_steps(target, build_drafter("none", target), prompt, 30, GREEDY)
+        jobs.append(scheduler.submit(steps, lambda item: item is DONE and done.release()))
+    assert done.acquire(timeout=60)  # the second request runs to its end
+    deadline = time.time() + 30
+    while scheduler.active and time.time() < deadline:
+        time.sleep(0.05)
+    assert cancelled_cache, "the first request was never cancelled: the test did not exercise the sweep"
+    assert scheduler.active == 0 and not late

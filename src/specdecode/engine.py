@@ -16,7 +16,7 @@ import torch
 
 from .drafters import Drafter
 from .errors import SpecDecodeError
-from .models.base import CausalLM, ForwardRequest, prefill, tree_request
+from .models.base import CausalLM, ForwardRequest, HiddenStates, prefill, tree_request
 from .sampling import SamplingParams, sample, probs_from_logits
 from .verify import Verifier, verifier_for
 
@@ -117,7 +117,11 @@ def decode_steps(
 
     cache = target.new_cache(capacity)
     drafter.start(list(prompt_ids), capacity)
-    first = sample(probs_from_logits(prefill(target, cache, prompt_ids), params), generator)
+    hidden_layers = tuple(drafter.hidden_layers)
+    prompt_hidden = HiddenStates(hidden_layers) if hidden_layers else None
+    first = sample(probs_from_logits(prefill(target, cache, prompt_ids, prompt_hidden), params), generator)
+    if prompt_hidden is not None:
+        drafter.receive_hidden(prompt_hidden.states)  # [K, prompt, H]
     context = list(prompt_ids) + [first]  # context[-1] is committed but not yet in the target's cache
     stats.target_forwards = 1
     stats.prefill_seconds = time.perf_counter() - start
@@ -132,12 +136,18 @@ def decode_steps(
         remaining = max_new_tokens - stats.new_tokens
 
         t0 = time.perf_counter()
-        draft = drafter.propose(context, params, generator).depth_limited(remaining - 1)
+        draft = drafter.propose(context, params, generator)
+        assert len(draft) <= drafter.max_nodes, f"drafter '{drafter.name}' sent {len(draft)} > max_nodes nodes"
+        draft = draft.depth_limited(remaining - 1)  # may trim the draft: commit gets the trimmed one
         t1 = time.perf_counter()
-        target_logits = yield tree_request(cache, context[-1], draft)  # [N+1, V], sent by the driver
+        request = tree_request(cache, context[-1], draft, hidden_layers)
+        target_logits = yield request  # [N+1, V], sent by the driver
         verdict = verifier.verify(draft, target_logits, params, generator)
-        cache.keep([0] + [i + 1 for i in verdict.accepted])  # root + accepted path
+        kept = [0] + [i + 1 for i in verdict.accepted]  # root + accepted path
+        cache.keep(kept)
         t2 = time.perf_counter()
+        if request.hidden is not None:
+            drafter.receive_hidden(request.hidden.states[:, kept])  # [K, 1 + accepted, H]
         drafter.commit(verdict, draft, target_logits)
         t3 = time.perf_counter()
 

@@ -41,6 +41,10 @@ class Drafter(ABC):
     variants: ClassVar[tuple[dict, ...]] = ({},)
     # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.
     tune_grid: ClassVar[tuple[dict, ...]] = ()
+    # The target's hidden states this drafter reads (models.base.HiddenStates numbering: layer i's input, 0 = the
+    # embeddings, target.n_layers = the last layer's output before the final norm; EAGLE-3: 2, L//2, L-3). Empty:
+    # the target computes and keeps nothing extra.
+    hidden_layers: tuple[int, ...] = ()
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request: reset per-request state. capacity = longest context this request can reach."""
@@ -52,6 +56,13 @@ class Drafter(ABC):
     def commit(self, verdict: Verdict, draft: Draft, target_logits: torch.Tensor) -> None:
         """The target scored `draft` (target_logits [N+1, V]: root, then each node), accepted verdict.accepted
         and appended verdict.bonus; roll own state forward or back, or learn from the logits."""
+
+    def receive_hidden(self, hidden: torch.Tensor) -> None:
+        """Called only when hidden_layers is non-empty: hidden [K, n, H] (K = len(hidden_layers), in that order,
+        the target's dtype) holds the states of the n tokens that just entered the target's KV cache, in order.
+        After the prefill (before the first propose): the prompt's tokens. After each verification (just before
+        commit): the root (context[-1] of the last propose) and the accepted path's tokens. So the rows received
+        so far are those of context[:-1]; the bonus token's come with the next verification."""
 
 
 def check_drafter_name(name: str) -> None:

@@ -12,6 +12,42 @@ from ..errors import SpecDecodeError
 from ..tree import PROBE, Draft, ancestor_mask, depths, with_root
 
 
+@dataclass
+class HiddenStates:
+    """The target's hidden states a caller asks of one forward, which the forward fills in (drafters that read the
+    target's features: EAGLE, EAGLE-3, Medusa). Layer i is the residual stream entering decoder layer i: 0 = the
+    input embeddings, n_layers = the last layer's output before the final norm. That is transformers'
+    output_hidden_states numbering (except its last entry, which is after the norm) and EAGLE-3's (2, L//2, L-3).
+    A forward without one computes and keeps nothing extra."""
+
+    layers: tuple[int, ...]
+    states: torch.Tensor | None = None  # [K, q, H] once filled: K = len(layers) in that order, every input row
+
+    def check(self, n_layers: int) -> None:
+        if not self.layers or not all(0 <= layer <= n_layers for layer in self.layers):
+            raise SpecDecodeError(
+                f"hidden states of layers {list(self.layers)} asked, the model has layers 0..{n_layers}.",
+                "Ask for layers between 0 (the embeddings) and the number of layers (the last layer's output).",
+            )
+
+
+def wanted_layers(hidden: list[HiddenStates | None], n_layers: int) -> tuple[int, ...]:
+    """The sorted union of the layers these forwards ask for; () when none asks."""
+    for asked in hidden:
+        if asked is not None:
+            asked.check(n_layers)
+    return tuple(sorted({layer for asked in hidden if asked is not None for layer in asked.layers}))
+
+
+def fill_hidden(hidden: list[HiddenStates | None], layers: tuple[int, ...], captured, lengths: list[int]) -> None:
+    """Hand each asker its rows of captured [B, len(layers), q, H] (row b, the layers it asked, its first
+    lengths[b] positions)."""
+    for row, asked in enumerate(hidden):
+        if asked is not None:
+            picks = torch.tensor([layers.index(layer) for layer in asked.layers])
+            asked.states = captured[row, picks, : lengths[row]]
+
+
 @dataclass(frozen=True)
 class ForwardRequest:
     """The inputs of one CausalLM.forward; a server gathers several requests' into one forward_batch."""
@@ -21,10 +57,12 @@ class ForwardRequest:
     positions: torch.Tensor  # [q]
     tree_mask: torch.Tensor  # [q, cache.pending + q] bool
     probe_embedding: torch.Tensor | None = None  # [H]: the input at PROBE tokens (see tree.PROBE)
+    hidden: HiddenStates | None = None  # filled by the forward (forward or forward_batch) when given
 
     def run(self, model: "CausalLM") -> torch.Tensor:  # [q, V] float32 logits, uncommitted
         return model.forward(
-            self.cache, self.input_ids, self.positions, self.tree_mask, probe_embedding=self.probe_embedding
+            self.cache, self.input_ids, self.positions, self.tree_mask, probe_embedding=self.probe_embedding,
+            hidden=self.hidden,
         )
 
 
@@ -35,6 +73,7 @@ class CausalLM(ABC):
     tokenizer: object  # a transformers tokenizer
     vocab_size: int  # rows of the logits
     max_context: int
+    n_layers: int  # decoder layers (HiddenStates numbers their inputs 0..n_layers)
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     quant: str = "none"  # weight format: none (dtype), int8, int4
@@ -51,39 +90,55 @@ class CausalLM(ABC):
         tree_mask: torch.Tensor,  # [q, cache.pending + q] bool: what each new token sees of the uncommitted part
         last_only: bool = False,
         probe_embedding: torch.Tensor | None = None,  # [H]: the input of every position whose id is PROBE
+        hidden: HiddenStates | None = None,  # filled with these layers' states of all q rows (even with last_only)
     ) -> torch.Tensor:  # [q, V] float32 logits ([1, V] with last_only); the q entries stay uncommitted
         ...
 
     def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
-        """Several requests' forwards (each its own cache); the [q_i, V] logits of each. This default runs them one
-        by one; a backend that can batch overrides it."""
+        """Several requests' forwards (each its own cache); the [q_i, V] logits of each; each request's `hidden`
+        (if any) is filled. This default runs them one by one; a backend that can batch overrides it."""
         return [request.run(self) for request in requests]
 
+    # The target's own input embeddings, final norm and LM head, for drafters that draft in its feature space
+    # (EAGLE heads): the model's tensors, shared, never copied.
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[q] ids -> [q, H] input embeddings, for drafters that probe in embedding space."""
+        """[...] ids -> [..., H] input embeddings (scaled as the model scales them)."""
         raise SpecDecodeError(f"{self.name} does not expose its input embeddings.", "Pick another drafter.")
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., H]: the norm between the last layer's output (HiddenStates layer n_layers) and the LM
+        head."""
+        raise SpecDecodeError(f"{self.name} does not expose its final norm.", "Pick another drafter.")
 
-def prefill(model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """Append committed tokens to the cache; return the [V] logits after the last one."""
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] final-normed states -> [..., V] float32 logits (the LM head alone)."""
+        raise SpecDecodeError(f"{self.name} does not expose its LM head.", "Pick another drafter.")
+
+
+def prefill(
+    model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor, hidden: HiddenStates | None = None
+) -> torch.Tensor:
+    """Append committed tokens to the cache; return the [V] logits after the last one (and fill `hidden`, if
+    given, with every token's states)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)  # [q]
     assert cache.pending == 0, "prefill needs a cache without uncommitted entries"
     q = ids.shape[0]
     positions = torch.arange(cache.length, cache.length + q)
     causal = torch.ones(q, q, dtype=torch.bool).tril()
-    logits = model.forward(cache, ids, positions, causal, last_only=True)  # [1, V]
+    logits = model.forward(cache, ids, positions, causal, last_only=True, hidden=hidden)  # [1, V]
     cache.commit_all()
     return logits[0]
 
 
-def tree_request(cache: KVCache, root_token: int, draft: Draft) -> ForwardRequest:
+def tree_request(cache: KVCache, root_token: int, draft: Draft, hidden_layers: tuple[int, ...] = ()) -> ForwardRequest:
     """The verification forward over [root, draft tokens] with tree attention; it yields [N+1, V] target logits,
-    uncommitted."""
+    uncommitted, and (with hidden_layers) fills request.hidden with those layers' [K, N+1, H] states."""
     assert cache.pending == 0
     parents = with_root(draft.parents)  # [N+1]
     ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
     positions = cache.length + depths(parents) - 1  # [N+1], root at the next free position
-    return ForwardRequest(cache, ids, positions, ancestor_mask(parents), draft.probe_embedding)
+    hidden = HiddenStates(tuple(hidden_layers)) if hidden_layers else None
+    return ForwardRequest(cache, ids, positions, ancestor_mask(parents), draft.probe_embedding, hidden)
 
 
 def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft) -> torch.Tensor:
@@ -114,6 +169,7 @@ class BatchInputs:
     lengths: list[int]  # each request's own q
     q: int
     probe_embeddings: list[torch.Tensor | None]  # each request's input at its PROBE tokens
+    hidden: list[HiddenStates | None]  # each request's hidden-state ask, filled by the forward
 
     @classmethod
     def of(cls, requests: list[ForwardRequest]) -> "BatchInputs | None":
@@ -130,7 +186,8 @@ class BatchInputs:
             input_ids[row, : lengths[row]] = request.input_ids
             positions[row] = request.positions[-1]
             positions[row, : lengths[row]] = request.positions
-        return cls(kv, input_ids, positions, lengths, q, [request.probe_embedding for request in requests])
+        probes = [request.probe_embedding for request in requests]
+        return cls(kv, input_ids, positions, lengths, q, probes, [request.hidden for request in requests])
 
 
 def place_probes(embeddings: torch.Tensor, input_ids: torch.Tensor, probes: list[torch.Tensor | None]) -> torch.Tensor:

@@ -5,12 +5,15 @@ read and written in place (a KVBatch) and each row gets its own 4-D mask (commit
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import Cache
 
 from ..cache import KVBatch, KVCache
 from .base import (
-    BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids, place_probes,
+    BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids, fill_hidden,
+    place_probes, wanted_layers,
 )
 
 
@@ -54,14 +57,18 @@ class HFModel(CausalLM):
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None):
         q = input_ids.shape[0]
         cache.reserve(positions)
         masks = {kind: self._additive(attention_mask(cache, q, tree_mask, self._window(kind)))[None, None]
                  for kind in self.layer_types}  # [1, 1, q, end+q] each
         view = _CacheView(cache, self.n_layers)
-        logits = self._run(input_ids[None], positions[None], masks, view, last_only, [probe_embedding])
+        layers = wanted_layers([hidden], self.n_layers)
+        with self._capture(layers) as captured:
+            logits = self._run(input_ids[None], positions[None], masks, view, last_only, [probe_embedding])
         cache.advance(q)
+        if layers:
+            fill_hidden([hidden], layers, torch.stack(captured, 1), [q])
         return logits[0]  # [q or 1, V]
 
     @torch.inference_mode()
@@ -74,8 +81,12 @@ class HFModel(CausalLM):
         masks = {kind: self._additive(batch_attention_mask(requests, q, kv.key_count, self._window(kind)))[:, None]
                  for kind in self.layer_types}  # [B, 1, q, key_count] each
         view = _CacheView(kv, self.n_layers)
-        logits = self._run(input_ids, positions, masks, view, False, batch.probe_embeddings)  # [B, q, V]
+        layers = wanted_layers(batch.hidden, self.n_layers)
+        with self._capture(layers) as captured:
+            logits = self._run(input_ids, positions, masks, view, False, batch.probe_embeddings)  # [B, q, V]
         kv.advance(lengths)
+        if layers:
+            fill_hidden(batch.hidden, layers, torch.stack(captured, 1), lengths)
         return [logits[row, :length] for row, length in enumerate(lengths)]
 
     def _run(self, input_ids, positions, masks: dict, cache: _CacheView, last_only: bool, probes) -> torch.Tensor:
@@ -92,6 +103,31 @@ class HFModel(CausalLM):
             logits_to_keep=1 if last_only else 0,
         )
         return out.logits.float()
+
+    @contextmanager
+    def _capture(self, layers: tuple[int, ...]):
+        """While open, the list it yields collects the [B, q, H] input of each layer in `layers` (n_layers: the
+        input of the final norm), in that order, through forward pre-hooks that exist only for this forward."""
+        captured: list[torch.Tensor] = []
+        decoder = self.model.get_decoder()
+        modules = [decoder.layers[layer] if layer < self.n_layers else decoder.norm for layer in layers]
+        record = lambda module, args, kwargs: captured.append(  # noqa: E731
+            (args[0] if args else kwargs["hidden_states"]).clone()
+        )
+        handles = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.inference_mode()
+    def final_norm(self, hidden):  # [..., H] -> [..., H]
+        return self.model.get_decoder().norm(hidden)
+
+    @torch.inference_mode()
+    def lm_head_logits(self, hidden):  # [..., H] -> [..., V] float32
+        return self.model.get_output_embeddings()(hidden).float()
 
     def _window(self, kind: str) -> int | None:
         return self.sliding_window if kind == "sliding_attention" else None

@@ -7,7 +7,7 @@ slots, so the model reads their caches in place), runs one target.forward_batch 
 its logits. Rounds go round-robin over the waiting requests, so every stream keeps moving; max_batch 1 runs one
 request's forward at a time.
 
-A cancelled request is dropped before the next round and its slot freed (the pool itself is freed when idle). An
+A cancelled request is dropped before every round and its slot freed (the pool itself is freed when idle). An
 exception in one request is delivered to that request only; a failed batch forward is retried one request at a
 time, so only the request at fault fails.
 """
@@ -69,8 +69,7 @@ class Scheduler:
                 new, self._new = self._new, []
             for job in new:
                 self._resume(job, None)
-                cancelled = [job for job in self._jobs if job.cancelled.is_set()]
-            for job in cancelled:
+            for job in [job for job in self._waiting if job.cancelled.is_set()]:  # before the round, every time
                 self._finish(job)
             self._round(self._next_batch())
 

@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...cache import KVCache
-from ..base import BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, place_probes
+from ..base import (
+    BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, fill_hidden, place_probes,
+    wanted_layers,
+)
 from .linear import Linear
 from .weights import PreparedWeights
 from .ops import apply_rotary, attend, inverse_frequencies, rms_norm, rotary
@@ -73,7 +76,15 @@ class LlamaModel(CausalLM):
         return self.embedding[token_ids]
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None):
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
+        return rms_norm(hidden, self.norm, self.eps)
+
+    @torch.inference_mode()
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
+        return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
+
+    @torch.inference_mode()
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None):
         q = input_ids.shape[0]
         cache.reserve(positions)
         # one new token with nothing uncommitted before it sees everything (no window): no mask
@@ -82,9 +93,13 @@ class LlamaModel(CausalLM):
             kind: None if sees_all and window is None else attention_mask(cache, q, tree_mask, window)[None]
             for kind, (_, window) in self.kinds.items()
         }
-        logits = self._run(cache, input_ids[None], positions[None], masks, last_only, [probe_embedding])  # [1, q|1, V]
+        layers = wanted_layers([hidden], self.n_layers)
+        probes = [probe_embedding]
+        logits, captured = self._run(cache, input_ids[None], positions[None], masks, last_only, probes, layers)
         cache.advance(q)
-        return logits[0]
+        if layers:
+            fill_hidden([hidden], layers, captured, [q])
+        return logits[0]  # [q or 1, V]
 
     @torch.inference_mode()
     def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
@@ -96,26 +111,38 @@ class LlamaModel(CausalLM):
             kind: batch_attention_mask(requests, batch.q, batch.kv.key_count, window)
             for kind, (_, window) in self.kinds.items()
         }
-        logits = self._run(batch.kv, batch.input_ids, batch.positions, masks, False, batch.probe_embeddings)
+        layers = wanted_layers(batch.hidden, self.n_layers)
+        logits, captured = self._run(
+            batch.kv, batch.input_ids, batch.positions, masks, False, batch.probe_embeddings, layers
+        )
         batch.kv.advance(batch.lengths)
+        if layers:
+            fill_hidden(batch.hidden, layers, captured, batch.lengths)
         return [logits[row, :length] for row, length in enumerate(batch.lengths)]
 
-    def _run(self, kv, input_ids, positions, masks: dict, last_only: bool, probes) -> torch.Tensor:
-        """[B, q] tokens at [B, q] positions -> [B, q or 1, V] float32 logits; kv holds the reserved slots;
-        masks: attention kind -> [B, q, keys] bool or None."""
+    def _run(self, kv, input_ids, positions, masks: dict, last_only: bool, probes, layers=()):
+        """[B, q] tokens at [B, q] positions -> ([B, q or 1, V] float32 logits, [B, len(layers), q, d] the inputs
+        of those layers (n_layers: the last output, before the final norm), or None without layers); kv holds the
+        reserved slots; masks: attention kind -> [B, q, keys] bool or None."""
         b, q = input_ids.shape
         rotations = {kind: rotary(positions, freqs, self.dtype) for kind, (freqs, _) in self.kinds.items()}  # [B,1,q,D]
         if any(probe is not None for probe in probes):
             hidden = place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes).view(b * q, -1)
         else:
             hidden = self.embed(input_ids.reshape(-1))  # [B*q, d]: every matmul sees all rows at once
+        captured = []  # the residual stream entering each asked layer
         for layer, (block, kind) in enumerate(zip(self.blocks, self.layer_kinds)):
+            if layer in layers:
+                captured.append(hidden.clone())  # a copy: a layer may update the residual stream in place
             hidden = self._layer(block, layer, kv, hidden, b, *rotations[kind], masks[kind])
+        if self.n_layers in layers:
+            captured.append(hidden.clone())
+        states = torch.stack(captured).view(len(layers), b, q, -1).transpose(0, 1) if layers else None
         hidden = hidden.view(b, q, -1)
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.lm_head(rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
-        return logits.float().view(b, hidden.shape[1], -1)
+        return logits.float().view(b, hidden.shape[1], -1), states
 
     def _layer(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
         hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
