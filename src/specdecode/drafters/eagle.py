@@ -55,8 +55,7 @@ def resolve_head(target, kind: str, draft_model):
 class FeatureRows:
     """The head inputs of the target's committed tokens, one row per position, as the target hands them over."""
 
-    def __init__(self, drafter: "HeadDrafter"):
-        self.drafter = drafter
+    def __init__(self):
         self.rows: list[torch.Tensor] = []  # [n, d] chunks
         self.count = 0
 
@@ -71,8 +70,8 @@ class FeatureRows:
 
 
 class HeadDrafter(Drafter):
-    """Shared by the feature-head drafters: the features the target hands over, and the fallback that computes
-    them with a second target cache when the engine does not hand them over."""
+    """Shared by the feature-head drafters: the head, and the head inputs of the features the target hands over
+    (receive_hidden: the prompt's rows after the prefill, the root's and accepted path's after each verification)."""
 
     kind: ClassVar[str]
     takes_draft_folder = True
@@ -85,37 +84,19 @@ class HeadDrafter(Drafter):
             layers = target_side.feature_layers(self.kind, target)
         self.hidden_layers = tuple(layers)
         self.features: FeatureRows | None = None
-        self.shadow = None  # the fallback's target cache
 
     def start(self, prompt_ids, capacity):
-        self.features = FeatureRows(self)
-        self.capacity = capacity
-        self.shadow = None
+        self.features = FeatureRows()
 
     @torch.inference_mode()
     def receive_hidden(self, hidden: torch.Tensor) -> None:
         """[K, n, H] target states of the n tokens that just entered its cache -> n head input rows."""
-        record = {layer: hidden[k] for k, layer in enumerate(self.hidden_layers)}
-        features = target_side.head_features(self.kind, self.target, record, list(self.hidden_layers))
+        features = target_side.head_features(self.kind, self.target, hidden)
         self.features.add(self.head.feature_input(features.to(self.head_dtype)))
 
     @property
     def head_dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
-
-    def catch_up(self, context: list[int]) -> None:
-        """Make sure the rows of context[:-1] are there (the fallback: a second target forward over the missing
-        tokens, reading its hidden states)."""
-        missing = context[self.features.count : len(context) - 1]
-        if not missing:
-            return
-        from ..models.base import prefill
-
-        if self.shadow is None:
-            self.shadow = self.target.new_cache(self.capacity)
-        with target_side.capture(self.target, list(self.hidden_layers)) as records:
-            prefill(self.target, self.shadow, missing)
-        self.receive_hidden(torch.stack([records[-1][layer] for layer in self.hidden_layers]))
 
 
 class EagleDrafter(HeadDrafter):
@@ -144,7 +125,6 @@ class EagleDrafter(HeadDrafter):
 
     @torch.inference_mode()
     def propose(self, context, params: SamplingParams, generator):
-        self.catch_up(context)
         root_logits = self.extend_entries(context)  # [V]
         model = _HeadAsModel(self)
         grow = _TreeGrowth(model, self.cache, len(context), params, self.length)

@@ -39,7 +39,6 @@ class MedusaDrafter(HeadDrafter):
 
     @torch.inference_mode()
     def propose(self, context, params, generator) -> Draft:
-        self.catch_up(context)
         feature = self.features.since(self.features.count - 1)  # [1, d]: the last token in the target's cache
         outputs = self.head(feature)[0]  # [K, d]
         logits = target_side.lm_head(self.target, outputs)  # [K, V]

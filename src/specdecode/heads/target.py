@@ -1,35 +1,25 @@
 """What a draft head borrows from its target: the input embedding, the final norm and the LM head (shared, never
-copied), the shapes a head is built with, and the target's hidden states.
-
-`capture` records, during any target forward, the input of the chosen layers and the last layer's output (index
-n_layers) on both backends. It is how training extracts features today, and how the drafters read the features of
-the rows the target verified until the engine hands them over itself."""
+copied), the shapes a head is built with, and which of the target's hidden states it reads (models.base.HiddenStates
+numbering: layer i's input; n_layers = the last layer's output before the final norm)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-from ..errors import SpecDecodeError
-from ..models.base import CausalLM
+from ..models.base import CausalLM, HiddenStates, prefill
 from ..models.hf import HFModel
-from .layer import HeadConfig, rms_norm
-
-
-def n_layers(target: CausalLM) -> int:
-    return target.n_layers if isinstance(target, HFModel) else len(target.blocks)
+from .layer import HeadConfig
 
 
 def eagle3_layers(target: CausalLM) -> list[int]:
     """EAGLE-3's low, middle and high features: the inputs of layers 2, L//2 and L-3 (clamped for tiny models)."""
-    count = n_layers(target)
+    count = target.n_layers
     return [min(2, count - 1), count // 2, max(count - 3, 0)]
 
 
 def feature_layers(kind: str, target: CausalLM) -> list[int]:
     """The hidden states a head of this kind reads; n_layers = the last layer's output (then the final norm)."""
-    return eagle3_layers(target) if kind == "eagle3" else [n_layers(target)]
+    return eagle3_layers(target) if kind == "eagle3" else [target.n_layers]
 
 
 def hidden_size(target: CausalLM) -> int:
@@ -40,19 +30,12 @@ def embed(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -
     return target.embed(token_ids)
 
 
-@torch.inference_mode()
-def final_norm(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    if isinstance(target, HFModel):
-        return target.model.model.norm(hidden.to(target.dtype))
-    return rms_norm(hidden.to(target.dtype), target.norm, target.eps)
+def final_norm(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [..., d], in the target's dtype
+    return target.final_norm(hidden.to(target.dtype))
 
 
-@torch.inference_mode()
-def lm_head(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [q, d] -> [q, V] float32
-    hidden = hidden.to(target.dtype)
-    if isinstance(target, HFModel):
-        return target.model.get_output_embeddings()(hidden).float()
-    return target.lm_head(hidden).float()
+def lm_head(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
+    return target.lm_head_logits(hidden.to(target.dtype))
 
 
 def frozen_weights(target: CausalLM) -> dict[str, torch.Tensor]:
@@ -93,79 +76,21 @@ def head_config(kind: str, target: CausalLM, **overrides) -> HeadConfig:
     return HeadConfig(kind=kind, **shapes)
 
 
-@contextmanager
-def capture(target: CausalLM, layers: list[int]):
-    """Within the block, every target forward appends {layer: [rows, d]} to the yielded list: the input of each
-    layer in `layers` (index n_layers: the last layer's output, before the final norm)."""
-    records: list[dict[int, torch.Tensor]] = []
-    if isinstance(target, HFModel):
-        with _capture_hf(target, layers, records):
-            yield records
-    elif hasattr(target, "_layer"):
-        with _capture_native(target, layers, records):
-            yield records
-    else:
-        raise SpecDecodeError(f"{target.name} does not expose its hidden states.", "Use a native or transformers model.")
-
-
-@contextmanager
-def _capture_native(target, layers: list[int], records: list):
-    last = len(target.blocks)
-    original = target._layer
-
-    def layer_with_capture(block, layer, kv, hidden, b, *rest):
-        if layer == 0:
-            records.append({})
-        if layer in layers:
-            records[-1][layer] = hidden.detach()
-        out = original(block, layer, kv, hidden, b, *rest)
-        if layer == last - 1 and last in layers:
-            records[-1][last] = out.detach()
-        return out
-
-    target._layer = layer_with_capture
-    try:
-        yield
-    finally:
-        del target._layer  # back to the class's method
-
-
-@contextmanager
-def _capture_hf(target: HFModel, layers: list[int], records: list):
-    blocks = target.model.model.layers
-    last = len(blocks)
-    handles = []
-
-    def before(index):
-        def hook(module, args, kwargs):
-            if index == 0:
-                records.append({})
-            if index in layers:
-                hidden = args[0] if args else kwargs["hidden_states"]
-                records[-1][index] = hidden.detach().reshape(-1, hidden.shape[-1])
-        return hook
-
-    def after(module, args, kwargs, output):
-        hidden = output[0] if isinstance(output, tuple) else output
-        records[-1][last] = hidden.detach().reshape(-1, hidden.shape[-1])
-
-    for index, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(before(index), with_kwargs=True))
-    if last in layers:
-        handles.append(blocks[-1].register_forward_hook(after, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def head_features(kind: str, target: CausalLM, record: dict[int, torch.Tensor], layers: list[int]) -> torch.Tensor:
-    """[rows, d or 3d] what a head of this kind reads from one captured forward: the last feature after the final
-    norm (eagle, medusa), or the fused layer inputs (eagle3)."""
+def head_features(kind: str, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """[n, d or K d]: what a head of this kind reads of the target's [K, n, H] hidden states (its feature_layers,
+    in order): the last layer's output through the target's final norm (eagle, medusa), or the K layer inputs
+    side by side (eagle3)."""
     if kind == "eagle3":
-        return torch.cat([record[layer] for layer in layers], dim=-1)
-    return final_norm(target, record[layers[0]])
+        return hidden.permute(1, 0, 2).reshape(hidden.shape[1], -1)
+    return final_norm(target, hidden[0])
+
+
+@torch.inference_mode()
+def hidden_states(target: CausalLM, token_ids: list[int], layers: list[int]) -> torch.Tensor:
+    """[K, n, H] the target's states of these layers over a sequence (one forward on a fresh cache)."""
+    asked = HiddenStates(tuple(layers))
+    prefill(target, target.new_cache(len(token_ids)), token_ids, asked)
+    return asked.states
 
 
 def new_head(kind: str, target: CausalLM, seed: int = 0, **overrides):
