@@ -35,7 +35,7 @@ class Budget:
     """How much data and compute a run spends; defaults are the small budget (minutes on a 2-core CPU for a
     ~100M-parameter target)."""
 
-    max_tokens: int = 24_000  # training tokens (prompt + answer) extracted
+    max_tokens: int = 16_000  # training tokens (prompt + answer) extracted
     epochs: int = 3
     hours: float = 0.0  # wall-clock limit of this run's training (0 = none); rerun to continue
     answer_tokens: int = 96  # regenerated answer length
@@ -48,15 +48,17 @@ class Budget:
     warmup: int = 10  # optimizer steps
     batch: int = 2  # sequences per micro-batch
     accumulate: int = 1  # micro-batches per optimizer step
-    held_out: int = 6  # ShareGPT prompts kept apart for tau
-    eval_tokens: int = 64  # new tokens per held-out prompt
+    held_out: int = 4  # ShareGPT prompts kept apart for tau
+    eval_tokens: int = 48  # new tokens per held-out prompt
     seed: int = 0
 
 
 def scaled_budget(target, **given) -> Budget:
     """The default budget, grown for larger targets (more data, a larger draft vocabulary)."""
     d = target_side.hidden_size(target)
-    base = Budget() if d <= 1024 else Budget(max_tokens=200_000, answer_tokens=192, max_prompt=384, draft_vocab=32_000)
+    base = Budget() if d <= 1024 else Budget(
+        max_tokens=200_000, answer_tokens=192, max_prompt=384, draft_vocab=32_000, held_out=8, eval_tokens=96
+    )
     return Budget(**{**asdict(base), **{k: v for k, v in given.items() if v is not None}})
 
 
