@@ -84,6 +84,18 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_pa
     assert torch.equal(trained.state_dict()[next(iter(trained.state_dict()))], resumed.head.state_dict()[next(iter(trained.state_dict()))])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    store = FeatureStore(tmp_path / "features")
+    store.extract(target, greedy_sequences(target, 4), [0, 1, 1], True, {"test": "cuda"})
+    sequences = store.load()
+    budget = Budget(epochs=2, draft_vocab=32, ttt_steps=2, lr=3e-3, warmup=1, batch=2)
+    run = TrainingRun("eagle3", initial_head("eagle3", target, sequences, budget), target, sequences, tmp_path,
+                      budget, "cuda", True)
+    assert [h["epoch"] for h in run.run(PROMPTS[:1])["history"]] == [1, 2]
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_head_folder_loads_back_bit_identically(target, tmp_path, kind):
     head = new_head(kind, target, seed=3, draft_vocab_size=20)

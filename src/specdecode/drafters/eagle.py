@@ -39,6 +39,8 @@ def _cached_head(folder: str, kind: str, dtype: torch.dtype):
 def resolve_head(target, kind: str, draft_model):
     """The head for `target`: a loaded head module, a folder, or (None) the one cached for the target."""
     if isinstance(draft_model, torch.nn.Module):
+        if draft_model.config.kind != kind:
+            raise SpecDecodeError(f"an {draft_model.config.kind} head cannot drive the {kind} drafter.", f"Pass an {kind} head.")
         return draft_model
     folder = Path(draft_model).expanduser() if draft_model is not None else find_head(target.name, kind)
     if not folder.is_dir():

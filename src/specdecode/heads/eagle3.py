@@ -45,7 +45,7 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(outputs))
 
     def target_ids(self) -> torch.Tensor:  # [Vd] the target token of each draft index
-        return torch.arange(self.config.draft_vocab_size) + self.d2t
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def set_vocabulary(self, target_ids: torch.Tensor) -> None:
         """Use these [Vd] target tokens (ascending) as the draft vocabulary."""

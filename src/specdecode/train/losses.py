@@ -39,8 +39,8 @@ def eagle_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[tor
     if train:
         features = features + (torch.rand_like(features) - 0.5) * NOISE
     embeds = F.embedding(ids[:, 1:], frozen["embedding"])
-    positions = torch.arange(1, t + 1).expand(ids.shape[0], t)
-    mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+    positions = torch.arange(1, t + 1, device=ids.device).expand(ids.shape[0], t)
+    mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]
     predicted = head(embeds, features, positions, SequenceKV(), mask).float()  # [B, t, d]
     wanted = last[:, 1:]
     rows = valid[:, 1:]
@@ -69,8 +69,8 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True)
     total, metrics = 0.0, {}
     for step in range(steps):
         embeds = F.embedding(ids_p[:, 1 + step : 1 + step + t], frozen["embedding"])  # token t+1+j
-        positions = torch.arange(1 + step, 1 + step + t).expand(b, t)
-        hidden = head(embeds, hidden, positions, kv, step_mask(t, step)[None])  # [B, t, d]
+        positions = torch.arange(1 + step, 1 + step + t, device=ids.device).expand(b, t)
+        hidden = head(embeds, hidden, positions, kv, step_mask(t, step).to(ids.device)[None])  # [B, t, d]
         logits = head.draft_logits(hidden)  # [B, t, Vd]
         wanted = target_p[:, 1 + step : 1 + step + t]  # the target's distribution at position t+1+j
         rows = ok[:, 2 + step : 2 + step + t]  # the token predicted (t+2+j) is in the answer and drafteable
