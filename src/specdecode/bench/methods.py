@@ -114,7 +114,9 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
             "llama.cpp-pld.",
         )
     options = parse_options(option_pairs)
-    draft = load(draft_model, weights or None, draft=True) if draft_model else None
+    draft = draft_model or None  # a head drafter reads its folder itself
+    if draft_model and not DRAFTERS[name].takes_draft_folder:
+        draft = load(draft_model, weights or None, draft=True)
     drafter = build_drafter(name, target, draft_model=draft, **options)
     return EngineMethod(spec, target, drafter)
 
