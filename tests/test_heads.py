@@ -205,3 +205,17 @@ def test_head_of_another_target_is_refused(tmp_path):
     folder = save_head(new_head("eagle", small), tmp_path / "h")
     with pytest.raises(SpecDecodeError, match="hidden size"):
         build_drafter("eagle", other, draft_model=str(folder))
+
+
+def test_missing_head_and_bad_training_device_are_clear_errors(tmp_path, monkeypatch, capsys):
+    from specdecode.cli import main
+    from specdecode.heads.store import find_head
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    with pytest.raises(SpecDecodeError, match="specdecode train eagle3 --model some-model"):
+        find_head("some-model", "eagle3")
+    with pytest.raises(SpecDecodeError, match="not a draft head folder"):
+        load_head(tmp_path)
+    if not torch.cuda.is_available():
+        assert main(["train", "eagle3", "--model", "some-model", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
