@@ -106,9 +106,21 @@ def test_drafter_needing_a_model_says_so():
         build_drafter("draft", tiny_model("llama"))
 
 
-def test_bad_drafter_option():
-    with pytest.raises(SpecDecodeError, match="bad option"):
+def test_bad_drafter_option_is_named_with_the_valid_ones():
+    with pytest.raises(SpecDecodeError, match="bad option 'nonsense' for drafter 'pld'.*max_ngram=.*lookup=0"):
         build_drafter("pld", tiny_model("llama"), nonsense=3)
+
+
+@pytest.mark.parametrize(
+    "name,options,needle",
+    [("pld", {"k": "many"}, "k='many': need an integer"), ("draft", {"threshold": True}, "threshold=True: need a number"),
+     ("pld", {"k": 0}, "bad option value for drafter 'pld': need"),
+     ("pld", {"lookup": 2, "lookup_nodes": 0}, "lookup_nodes")],
+)
+def test_bad_drafter_option_values(name, options, needle):
+    target = tiny_model("llama")
+    with pytest.raises(SpecDecodeError, match=needle):
+        build_drafter(name, target, draft_model=target, **options)
 
 
 @pytest.mark.parametrize("name", ["suffix", "hierarchy"])

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.drafters import build_drafter
+from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.ngram_table import read_corpus, suffix_matches
 from specdecode.drafters.suffix import speculation_tree
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
+from specdecode.tree import Draft
 
 
 class NumberTokenizer:
@@ -125,12 +126,47 @@ def test_draft_model_hands_long_matches_to_the_suffix_tree():
 
     target = tiny_model("llama", seed=1)
     drafter = build_drafter("draft", target, draft_model=perturbed_copy(target, scale=0.1, seed=2), topk=1, depth=3,
-                            lookup=3, lookup_nodes=5, profile="none")
+                            lookup=3, lookup_nodes=5)
+    assert drafter.name == "draft" and drafter.max_nodes == 5 and drafter.options["lookup"] == 3
     context = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
     drafter.start(context, 64)
     draft = drafter.propose(context, SamplingParams(), None)
     assert drafter.looked_up and draft.tokens.tolist() == [8, 9, 10, 11, 12]  # what followed "5 6 7"
-    assert drafter.cache.length == 0  # the draft model did not run
+    assert drafter.inner.cache.length == 0  # the draft model did not run
     context = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 9]  # "6 7 9" never occurred: the draft model drafts
     draft = drafter.propose(context, SamplingParams(), None)
-    assert not drafter.looked_up and len(draft) == 3 and drafter.cache.length == len(context)
+    assert not drafter.looked_up and len(draft) == 3 and drafter.inner.cache.length == len(context)
+
+
+class Counting(Drafter):
+    """Proposes nothing; counts the commits it sees."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.commits = 0
+
+    def propose(self, context, params, generator):
+        return Draft.empty()
+
+    def commit(self, verdict, draft, target_logits):
+        self.commits += 1
+
+
+def test_the_lookup_hybrid_wraps_any_drafter_and_commits_only_its_own_drafts():
+    from conftest import tiny_model
+
+    from specdecode.drafters.hybrid import LookupHybrid
+    from specdecode.engine import generate
+
+    target = tiny_model("llama", seed=1)
+    prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
+    plain, _ = generate(target, build_drafter("none", target), prompt, 30, SamplingParams())
+    for name in ("jacobi", "pld"):
+        wrapped = build_drafter(name, target, lookup=2, lookup_nodes=6)
+        assert isinstance(wrapped, LookupHybrid) and wrapped.name == name
+        assert generate(target, wrapped, prompt, 30, SamplingParams())[0] == plain
+    hybrid = LookupHybrid(Counting(), target, lookup=2)
+    tokens, stats = generate(target, hybrid, prompt, 30, SamplingParams())
+    assert tokens == plain and stats.drafted_tokens > 0  # the lookup drafted (the inner drafter proposes nothing)
+    assert 0 < hybrid.inner.commits < stats.target_forwards - 1  # commits of the inner drafter's own drafts only

@@ -1,5 +1,5 @@
 """specdecode tune: the cost model's choice, the Sequoia DP, the length policies, and a tuned profile that
-build_drafter picks up (explicit options and profile=none win)."""
+tuned_drafter picks up (explicit options and profile=none win)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.tree import sequoia_tree
 from specdecode.tune.cost import Measured, choose, speedup, verify_seconds
 from specdecode.tune.measure import run_tune
-from specdecode.tune.profile import profile_path, save_profile
+from specdecode.tune.profile import profile_path, save_profile, tuned_drafter
 
 from conftest import perturbed_copy, tiny_model
 
@@ -95,7 +95,7 @@ def tiny_pair():
     return target, perturbed_copy(target, scale=0.1, seed=2)
 
 
-def test_tune_writes_a_profile_that_build_drafter_applies(tiny_pair, tmp_path, monkeypatch):
+def test_tune_writes_a_profile_that_tuned_drafter_applies(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     target, draft_model = tiny_pair
     prompts = [[3, 9, 4, 17, 3, 9, 4, 22, 3, 9], [11, 5, 60, 2, 33, 48, 7, 1]]
@@ -104,33 +104,34 @@ def test_tune_writes_a_profile_that_build_drafter_applies(tiny_pair, tmp_path, m
     assert len(profile["drafters"]["draft"]["candidates"]) > 1
     save_profile(target, profile)
     chosen = profile["drafters"]["pld"]["options"]
-    tuned, by_hand = build_drafter("pld", target), build_drafter("pld", target, profile="none", **chosen)
+    tuned, by_hand = tuned_drafter("pld", target), build_drafter("pld", target, **chosen)
     assert (tuned.k, tuned.branches, tuned.max_ngram) == (by_hand.k, by_hand.branches, by_hand.max_ngram)
-    # A profile with known choices: build_drafter must apply them when no option is given.
+    # A profile with known choices: tuned_drafter must apply them when no option is given.
     profile["drafters"]["pld"]["options"] = {"k": 3, "branches": 2}
     profile["drafters"]["draft"]["options"] = {"structure": "opt", "budget": 5, "depth": 3}
     path = save_profile(target, profile)
     assert path == profile_path(target) and path.parent == tmp_path / "profiles"
     assert "float32" in path.name and "HFModel" in path.name
 
-    pld = build_drafter("pld", target)
+    pld = tuned_drafter("pld", target)
     assert (pld.k, pld.branches) == (3, 2)
-    draft = build_drafter("draft", target, draft_model=draft_model)
-    assert (draft.structure, draft.budget, draft.depth) == ("opt", 5, 3)
+    draft = tuned_drafter("draft", target, draft_model=draft_model)
+    assert (draft.tree.structure, draft.tree.budget, draft.tree.depth) == ("opt", 5, 3) and draft.tuned
+    assert not build_drafter("pld", target).tuned and build_drafter("pld", target).k == 8  # build_drafter: no profile
     # Explicit options win, whole: nothing of the tuned set mixes in.
-    pld = build_drafter("pld", target, k=5)
+    pld = tuned_drafter("pld", target, k=5)
     assert (pld.k, pld.branches) == (5, 1)
     # The opt-out, and a draft model the profile was not tuned with.
-    assert build_drafter("pld", target, profile="none").k == 8
+    assert tuned_drafter("pld", target, profile="none").k == 8
     other = perturbed_copy(target, scale=0.1, seed=4)
     other.name = "another-draft"
-    assert build_drafter("draft", target, draft_model=other).structure == "eagle2"
+    assert tuned_drafter("draft", target, draft_model=other).tree.structure == "eagle2"
     with pytest.raises(SpecDecodeError, match="profile"):
-        build_drafter("pld", target, profile="sometimes")
+        tuned_drafter("pld", target, profile="sometimes")
     # Tuning one drafter again keeps the others' saved choices.
     save_profile(target, dict(profile, drafters={"pld": dict(profile["drafters"]["pld"], options={"k": 2})}))
-    assert build_drafter("pld", target).k == 2
-    assert build_drafter("draft", target, draft_model=draft_model).budget == 5
+    assert tuned_drafter("pld", target).k == 2
+    assert tuned_drafter("draft", target, draft_model=draft_model).tree.budget == 5
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .drafters import DRAFTERS, Drafter, build_drafter
+from .drafters import DRAFTERS, Drafter
 from .engine import Stats, decode, generate
 from .errors import SpecDecodeError
 from .models.base import CausalLM
 from .models.loading import load_model
 from .sampling import SamplingParams
 from .text import TextAssembler, chat_prompt_ids
+from .tune.profile import tuned_drafter
 
 
 @dataclass
@@ -54,8 +55,9 @@ class SpecDecoder:
         self.tokenizer = self.target.tokenizer
 
     def new_drafter(self):
-        """A drafter with its own per-request state (models are shared), for concurrent requests."""
-        return build_drafter(self.drafter_name, self.target, draft_model=self.draft_model, **self.drafter_options)
+        """A drafter with its own per-request state (models are shared), for concurrent requests; without options,
+        the tuned profile's (-o profile=none: the drafter's defaults)."""
+        return tuned_drafter(self.drafter_name, self.target, draft_model=self.draft_model, **self.drafter_options)
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt: ids as they are, text, or chat messages (with the model's chat template)."""

@@ -13,3 +13,12 @@ class SpecDecodeError(Exception):
 
     def __str__(self) -> str:
         return f"{self.problem} {self.fix}".strip()
+
+
+class OptionError(SpecDecodeError):
+    """A drafter option whose value the drafter cannot take (raised by constructors; build_drafter adds the
+    drafter's name)."""
+
+    def __init__(self, need: str):
+        super().__init__(f"bad option value: {need}.", "Fix the value given with -o KEY=VALUE.")
+        self.need = need

@@ -15,12 +15,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..drafters import DRAFTERS, build_drafter
+from ..drafters import DRAFTERS
 from ..drafters.base import parse_options
 from ..engine import generate
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
+from ..tune.profile import tuned_drafter
 
 
 class Method(ABC):
@@ -117,7 +118,7 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
     draft = draft_model or None  # a head drafter reads its folder itself
     if draft_model and not DRAFTERS[name].takes_draft_folder:
         draft = load(draft_model, weights or None, draft=True)
-    drafter = build_drafter(name, target, draft_model=draft, **options)
+    drafter = tuned_drafter(name, target, draft_model=draft, **options)
     return EngineMethod(spec, target, drafter)
 
 

@@ -2,16 +2,29 @@
 
 A drafter proposes a token tree below the last committed token; the engine verifies it with the target and
 tells the drafter what was accepted. A new method is one file with a class decorated by @register("name").
+
+The contract, per request (a drafter object serves one request at a time; the server builds one per request):
+- start(prompt_ids, capacity) once; then, if hidden_layers is set, receive_hidden with the prompt's states.
+- propose(context) returns a Draft of at most max_nodes nodes (the engine asserts it: max_nodes sizes the caches),
+  parents before children, draft_probs None (deterministic: the point-mass rule) or the distribution each node
+  was drawn from. It must not use the target's scores of this draft: only earlier verdicts and logits.
+- The engine may trim the draft (a depth limit near max_new_tokens); the trimmed draft is what the target scores
+  and what reaches receive_hidden / commit, so commit must accept a draft smaller than the proposal.
+- receive_hidden(states of the root and accepted path), then commit(verdict, draft, target_logits), after every
+  verification; the next propose's context ends with the bonus token.
+- Options are the constructor's keyword parameters (build_drafter checks names and kinds against its signature);
+  a value the drafter cannot take raises errors.OptionError naming what it needs.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
 
-from ..errors import SpecDecodeError
+from ..errors import OptionError, SpecDecodeError
 from ..sampling import SamplingParams
 from ..tree import Draft
 from ..verify import Verdict
@@ -35,8 +48,8 @@ class Drafter(ABC):
     takes_draft_folder: ClassVar[bool] = False
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
-    options: dict = {}  # the options build_drafter passed (given, or from the tuned profile); {} = defaults
-    tuned: bool = False  # True when those options came from the tuned profile
+    options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
+    tuned: bool = False  # True when those options came from the tuned profile (set by tune.profile.tuned_drafter)
     # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
     variants: ClassVar[tuple[dict, ...]] = ({},)
     # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.
@@ -70,31 +83,66 @@ def check_drafter_name(name: str) -> None:
         raise SpecDecodeError(f"unknown drafter '{name}'.", f"Choose one of: {', '.join(sorted(DRAFTERS))}.")
 
 
-def build_drafter(name: str, target, **options) -> Drafter:
-    """A drafter for `target`. Without options, the options `specdecode tune` saved for it (if any) apply;
-    profile=none skips them."""
-    from ..tune.profile import tuned_options
+def build_drafter(name: str, target, draft_model=None, **options) -> Drafter:
+    """Drafter `name` for `target` with these options (none: its defaults). Every drafter also takes `lookup` and
+    `lookup_nodes` (the suffix hybrid, hybrid.py). Tuned profiles are resolved by the caller (the API, CLI, bench
+    and server: tune.profile.tuned_drafter), never here."""
+    from .hybrid import HYBRID_OPTIONS, LookupHybrid
 
     check_drafter_name(name)
     cls = DRAFTERS[name]
-    profile = options.pop("profile", "auto")
-    tuned = {}
-    if not any(key != "draft_model" for key in options):
-        tuned = tuned_options(name, target, options.get("draft_model"), profile)
-        options.update(tuned)
-    if cls.needs_draft_model and options.get("draft_model") is None:
+    check_options(name, options)
+    if cls.needs_draft_model and draft_model is None:
         raise SpecDecodeError(
-            f"drafter '{name}' needs a draft model.", "Pass --draft-model NAME (a smaller model with the same tokenizer)."
+            f"drafter '{name}' needs a draft model.",
+            "Pass --draft-model NAME (a smaller model with the same tokenizer).",
         )
-    if not cls.needs_draft_model and not (cls.takes_draft_folder and options.get("draft_model") is not None):
-        options.pop("draft_model", None)
+    own = {key: value for key, value in options.items() if key not in HYBRID_OPTIONS}
+    hybrid = {key: value for key, value in options.items() if key in HYBRID_OPTIONS}
     try:
-        drafter = cls(target, **options)
-    except TypeError as exc:  # unknown or malformed option
-        raise SpecDecodeError(f"bad option for drafter '{name}': {exc}.", "Check the drafter's options.") from None
-    drafter.options = {key: value for key, value in options.items() if key != "draft_model"}
-    drafter.tuned = bool(tuned)
+        takes_model = cls.needs_draft_model or (cls.takes_draft_folder and draft_model is not None)
+        drafter = cls(target, draft_model=draft_model, **own) if takes_model else cls(target, **own)
+        if hybrid.get("lookup", 0):
+            drafter = LookupHybrid(drafter, target, **hybrid)
+    except OptionError as exc:
+        raise SpecDecodeError(f"bad option value for drafter '{name}': {exc.need}.", exc.fix) from None
+    drafter.options = dict(options)
     return drafter
+
+
+def option_defaults(name: str) -> dict:
+    """Drafter `name`'s options and their defaults: its constructor's keyword parameters, then the hybrid's."""
+    from .hybrid import HYBRID_OPTIONS
+
+    parameters = inspect.signature(DRAFTERS[name].__init__).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    skip = ("self", "target", "draft_model")
+    own = {p.name: p.default for p in parameters if p.kind in kinds and p.name not in skip}
+    return {**own, **HYBRID_OPTIONS}
+
+
+def check_options(name: str, options: dict) -> None:
+    """Every option is one of the drafter's, and a number where the default is one; else one clear error."""
+    defaults = option_defaults(name)
+    valid = ", ".join(f"{key}={default}" for key, default in defaults.items())
+    for key, value in options.items():
+        if key not in defaults:
+            raise SpecDecodeError(f"bad option '{key}' for drafter '{name}'.", f"Its options (defaults): {valid}.")
+        if not _fits(value, defaults[key]):
+            kind = {bool: "true or false", int: "an integer", float: "a number"}[type(defaults[key])]
+            raise SpecDecodeError(
+                f"drafter '{name}' option {key}={value!r}: need {kind}.", f"Like its default: -o {key}={defaults[key]}."
+            )
+
+
+def _fits(value, default) -> bool:
+    """Can `value` stand for an option whose default is `default`? Booleans for booleans, numbers for numbers (an
+    int for a float); anything for text or None defaults (the constructor checks those)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, int if isinstance(default, int) else (int, float)) and not isinstance(value, bool)
+    return True
 
 
 def parse_options(pairs: list[str]) -> dict:

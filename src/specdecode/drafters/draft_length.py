@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 
-from ..errors import SpecDecodeError
+from ..errors import OptionError, SpecDecodeError
 
 
 class FixedLength:
@@ -59,7 +59,7 @@ class ConfidenceLength(FixedLength):
     def __init__(self, depth, threshold):
         super().__init__(depth, threshold)
         if not 0 <= threshold <= 1:
-            raise TypeError("threshold must be in [0, 1]")
+            raise OptionError("threshold must be in [0, 1]")
         self.threshold = threshold
 
     def grow(self, confidence):

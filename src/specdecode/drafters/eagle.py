@@ -1,5 +1,5 @@
 """EAGLE drafters: a trained one-layer head drafts in the target's own feature space (heads/: EAGLE-1 `eagle`,
-EAGLE-3 `eagle3`), growing EAGLE-2's dynamic tree (Li et al., 2024, arXiv 2406.16858) one head forward per level.
+EAGLE-3 `eagle3`), growing EAGLE-2's dynamic tree (Li et al., 2024, arXiv 2406.16858) one head step per level.
 
 The head's cache holds one entry per committed position t: (the target's feature at t, the token at t+1), at
 position t+1. The target's features arrive for every token it verified (receive_hidden), so every entry is exact
@@ -7,8 +7,9 @@ and never rolled back; only the drafted tree levels are uncommitted and dropped 
 input feature is its parent's head output (the root's children: the last committed entry's output).
 
 `--draft-model DIR` names the head folder (ours, speculators or the original EAGLE layout); without it the head
-`specdecode train KIND --model TARGET` cached for this target is used. Trees are deterministic (draft_probs None):
-under sampling the verifier's point-mass rule keeps them lossless, as EAGLE-2's own code does.
+`specdecode train KIND --model TARGET` cached for this target is used. The tree options are the draft model's
+(tree_growth.py: structure eagle2 | opt | sequoia, depth, topk, budget, length, ...); under sampling the strategies
+send their lossless variants (sampled chains, or deterministic trees under the verifier's point-mass rule).
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ from ..heads.layer import head_cache
 from ..heads.store import find_head, load_head
 from ..models.base import attention_mask
 from ..sampling import SamplingParams
-from ..tree import depths
 from .base import Drafter, register
-from .draft_length import draft_length
-from .draft_model import _TreeGrowth
+from .tree_growth import TreeGrowth, TreeStrategy
 
 
 @lru_cache(maxsize=8)
@@ -102,35 +101,34 @@ class HeadDrafter(Drafter):
 
 
 class EagleDrafter(HeadDrafter):
-    """EAGLE-2's dynamic tree over an EAGLE head: `depth` levels, the `topk` best nodes expanded per level, the
-    `budget` best nodes (by path probability) kept."""
+    """A tree (tree_growth.TreeStrategy: EAGLE-2's dynamic tree by default, or OPT-Tree, Sequoia) grown by an EAGLE
+    head, one head step per level."""
 
     kind = "eagle"
-    variants = ({}, {"depth": 3, "topk": 1}, {"depth": 4, "topk": 3, "budget": 10, "length": "confidence"})
-    tune_grid = ({"depth": 4, "topk": 1}, {"depth": 6, "topk": 2, "budget": 8}, {"depth": 6, "topk": 4, "budget": 16})
+    variants = (
+        {}, {"depth": 3, "topk": 1}, {"depth": 4, "topk": 3, "budget": 10, "length": "confidence"},
+        {"structure": "sequoia", "budget": 6, "depth": 4},
+    )
+    tune_grid = ({"depth": 4, "topk": 1}, {"depth": 6, "topk": 2, "budget": 8}, {"depth": 6, "topk": 4, "budget": 16},
+                 {"structure": "opt", "budget": 12, "depth": 8})
 
-    def __init__(self, target, draft_model=None, depth: int = 5, topk: int = 3, budget: int = 12,
-                 length: str = "fixed", threshold: float = 0.4):
+    def __init__(self, target, draft_model=None, structure: str = "eagle2", depth: int = 5, topk: int = 3,
+                 budget: int = 12, length: str = "fixed", threshold: float = 0.4, min_gain: float = 0.1,
+                 accept: str = "0.7,0.1,0.04,0.02"):
         super().__init__(target, draft_model)
-        if depth < 1 or topk < 1 or budget < 1:
-            raise SpecDecodeError("need depth >= 1, topk >= 1 and budget >= 1.", "e.g. -o depth=5 -o topk=3 -o budget=12")
-        self.depth, self.topk = depth, topk
-        self.max_nodes = depth * topk
-        self.budget = min(budget, self.max_nodes)
-        self.length = draft_length(length, depth, threshold)
+        self.tree = TreeStrategy(structure, depth, topk, budget, length, threshold, min_gain, accept)
+        self.max_nodes = self.tree.max_nodes
         self.cache = None
         self.root_output: torch.Tensor | None = None  # [d]: the last committed entry's head output
 
     def start(self, prompt_ids, capacity):
         super().start(prompt_ids, capacity)
-        self.cache = head_cache(self.head.config, capacity + self.max_nodes + 1, self.head_dtype)
+        self.cache = head_cache(self.head.config, capacity + self.tree.expanded_nodes + 1, self.head_dtype)
 
     @torch.inference_mode()
     def propose(self, context, params: SamplingParams, generator):
         root_logits = self.extend_entries(context)  # [V]
-        model = _HeadAsModel(self)
-        grow = _TreeGrowth(model, self.cache, len(context), params, self.length)
-        draft = grow.best_first(root_logits, self.length.depth(), self.topk, self.budget, False, None)
+        draft = self.tree.grow(_HeadExpansion(self, len(context)), root_logits, params, generator)
         self.cache.discard()
         return draft
 
@@ -163,25 +161,32 @@ class EagleDrafter(HeadDrafter):
         return target_side.lm_head(self.target, outputs)
 
     def commit(self, verdict, draft, target_logits) -> None:
-        drafted_depth = int(depths(draft.parents).max()) if len(draft) else 0
-        self.length.update(len(verdict.accepted), drafted_depth)
+        self.tree.update(verdict, draft)
 
 
-class _HeadAsModel:
-    """The head behind the draft model interface _TreeGrowth expands levels with: a forward over frontier nodes
-    whose input feature is each node's parent output (its latest uncommitted ancestor, else the root)."""
+class _HeadExpansion:
+    """The expand callback of one proposal: a head step over frontier nodes, each fed its parent's head output
+    (the root's children: the last committed entry's) and attending to the committed entries and its ancestors."""
 
-    def __init__(self, drafter: EagleDrafter):
-        self.drafter = drafter
+    def __init__(self, drafter: EagleDrafter, context_len: int):
+        self.drafter, self.context_len = drafter, context_len
+        self.slot: dict[int, int] = {}  # node -> its offset among the cache's uncommitted entries
         self.outputs: list[torch.Tensor] = []  # [d] per uncommitted entry
 
-    def forward(self, cache, input_ids, positions, tree_mask):
-        pending = cache.pending
-        ancestors = tree_mask[:, :pending]  # [F, pending]
-        parents = [
-            self.outputs[int(row.nonzero().max())] if bool(row.any()) else self.drafter.root_output for row in ancestors
-        ]
-        outputs = self.drafter.run_head(input_ids, torch.stack(parents), positions, tree_mask)  # [F, d]
+    def __call__(self, tree: TreeGrowth, frontier: list[int], depth: int) -> torch.Tensor:  # [F, V]
+        pending = self.drafter.cache.pending
+        f = len(frontier)
+        mask = torch.zeros(f, pending + f, dtype=torch.bool)  # [F, pending + F]
+        parents = []
+        for row, node in enumerate(frontier):
+            mask[row, [self.slot[a] for a in tree.ancestors[node]]] = True
+            mask[row, pending + row] = True
+            self.slot[node] = pending + row
+            parent = tree.parents[node]
+            parents.append(self.drafter.root_output if parent < 0 else self.outputs[self.slot[parent]])
+        tokens = torch.tensor([tree.tokens[n] for n in frontier])
+        positions = torch.full((f,), self.context_len + depth - 1)
+        outputs = self.drafter.run_head(tokens, torch.stack(parents), positions, mask)  # [F, d]
         self.outputs.extend(outputs)
         return self.drafter.logits(outputs)
 

@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 
+from ..errors import OptionError
 from ..tree import PROBE, Draft, trie
 from .base import Drafter, register
 
@@ -31,7 +32,7 @@ class EmbeddingProbeDrafter(Drafter):
 
     def __init__(self, target, probes: int = 4, topk: int = 2, budget: int = 8, probe: str = "mean"):
         if probes < 1 or topk < 1 or budget < 0 or probe not in ("mean", "nearest"):
-            raise TypeError("need probes >= 1, topk >= 1, budget >= 0 and probe 'mean' or 'nearest'")
+            raise OptionError("need probes >= 1, topk >= 1, budget >= 0 and probe 'mean' or 'nearest'")
         self.target = target
         self.probes, self.topk, self.budget, self.probe = probes, topk, budget, probe
         self.max_nodes = budget + probes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import OptionError
 from ..tree import Draft, from_sequences
 from .base import register
 from .pld import find_continuations
@@ -41,7 +42,7 @@ class GooseDrafter(TokenRecyclingDrafter):
         max_nodes: int = 16,
     ):
         if spine < 1 or max_ngram < 1 or max_nodes < 1:
-            raise TypeError("need spine >= 1, max_ngram >= 1 and max_nodes >= 1")
+            raise OptionError("need spine >= 1, max_ngram >= 1 and max_nodes >= 1")
         super().__init__(target, k=k, branching=fallback, rank_budget=rank_budget)
         self.branch_template = parse_template(branching, k, rank_budget)
         self.spine, self.max_ngram, self.max_nodes = spine, max_ngram, max_nodes

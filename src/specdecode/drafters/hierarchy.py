@@ -9,6 +9,7 @@ verification time, 2 measured faster (own prompts, Qwen2.5-Coder 1.5B, bf16): 1.
 
 from __future__ import annotations
 
+from ..errors import OptionError
 from ..tree import Draft, from_sequences
 from .base import Drafter, register
 from .ngram_table import NgramTable, read_corpus
@@ -21,7 +22,7 @@ class HierarchyDrafter(Drafter):
 
     def __init__(self, target, guess: int = 2, length: int = 4, corpus: str | None = None):
         if guess < 1 or length < 1:
-            raise TypeError("need guess >= 1 and length >= 1")
+            raise OptionError("need guess >= 1 and length >= 1")
         self.guess, self.length = guess, length
         self.max_nodes = guess * length
         self.history = NgramTable(length=length, per_key=16)  # S

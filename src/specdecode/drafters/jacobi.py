@@ -20,6 +20,7 @@ import random
 
 import torch
 
+from ..errors import OptionError
 from ..sampling import probs_from_logits
 from ..tree import Draft
 from ..verify.rejection import residual
@@ -44,7 +45,7 @@ class JacobiDrafter(Drafter):
 
     def __init__(self, target, window: int = 6):
         if window < 1:
-            raise TypeError("need window >= 1")
+            raise OptionError("need window >= 1")
         self.window, self.vocab_size = window, target.vocab_size
         self.max_nodes = window
         self.start([0], 0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 
+from ..errors import OptionError
 from ..tree import Draft, trie
 from .base import Drafter, register
 from .ngram_table import NgramTable
@@ -34,7 +35,7 @@ class LookaheadDrafter(Drafter):
 
     def __init__(self, target, window: int = 5, level: int = 3, guess: int = 3, pool_from_context: bool = True):
         if window < 2 or level < 2 or guess < 0:
-            raise TypeError("need window >= 2, level >= 2 and guess >= 0")
+            raise OptionError("need window >= 2, level >= 2 and guess >= 0")
         self.window, self.level, self.guess = window, level, guess
         self.pool_from_context = pool_from_context
         self.eos = target.eos_token_ids

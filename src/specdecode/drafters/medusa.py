@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecDecodeError
+from ..errors import OptionError
 from ..heads import target as target_side
 from ..tree import Draft, sequoia_tree
 from .base import register
-from .draft_model import _probabilities
+from .tree_growth import _probabilities
 from .eagle import HeadDrafter
 
 
@@ -29,7 +29,7 @@ class MedusaDrafter(HeadDrafter):
     def __init__(self, target, draft_model=None, budget: int = 8, accept: str = "0.6,0.15,0.08,0.04"):
         super().__init__(target, draft_model)
         if budget < 1:
-            raise SpecDecodeError("need budget >= 1.", "e.g. -o budget=8")
+            raise OptionError("need budget >= 1")
         self.heads = self.head.config.num_heads
         parents = sequoia_tree(budget, self.heads, _probabilities(accept))[1]
         self.parents = torch.tensor(parents, dtype=torch.long)  # [N]

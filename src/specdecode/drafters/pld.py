@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import OptionError
 from ..tree import Draft, from_sequences
 from .base import Drafter, register
 from .ngram_table import suffix_matches
@@ -19,7 +20,7 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, target, max_ngram: int = 3, min_ngram: int = 1, k: int = 8, branches: int = 1):
         if not 1 <= min_ngram <= max_ngram or k < 1 or branches < 1:
-            raise TypeError("need 1 <= min_ngram <= max_ngram, k >= 1 and branches >= 1")
+            raise OptionError("need 1 <= min_ngram <= max_ngram, k >= 1 and branches >= 1")
         self.max_ngram, self.min_ngram, self.k, self.branches = max_ngram, min_ngram, k, branches
         self.max_nodes = k * branches
 

@@ -23,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+from ..errors import OptionError
 from ..tree import Draft, trie
 from .base import Drafter, register
 from .ngram_table import read_corpus, suffix_matches
@@ -48,7 +49,7 @@ class SuffixDrafter(Drafter):
         corpus: str | None = None,
     ):
         if min(max_match, max_nodes, max_occurrences) < 1 or alpha <= 0 or not 0 <= min_prob <= 1 or max_history < 0:
-            raise TypeError(
+            raise OptionError(
                 "need max_match, max_nodes, max_occurrences >= 1, alpha > 0, 0 <= min_prob <= 1 and max_history >= 0"
             )
         self.max_match, self.max_nodes, self.alpha = max_match, max_nodes, alpha

@@ -12,6 +12,7 @@ import itertools
 
 import torch
 
+from ..errors import OptionError
 from ..tree import Draft, from_sequences
 from .base import Drafter, register
 
@@ -30,7 +31,7 @@ def parse_template(branching: str, k: int, rank_budget: int) -> list[tuple[int, 
     """The rank template of a "4,2,1"-style option (widths by depth) over a table of k candidates per token."""
     widths = tuple(int(b) for b in str(branching).split(","))
     if k < 1 or rank_budget < 0 or not widths or min(widths) < 1 or max(widths) > k:
-        raise TypeError("need k >= 1, rank_budget >= 0 and 1 <= each branching width <= k")
+        raise OptionError("need k >= 1, rank_budget >= 0 and 1 <= each branching width <= k")
     return rank_template(widths, rank_budget)
 
 

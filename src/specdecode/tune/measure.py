@@ -67,8 +67,7 @@ def verify_curve(target: CausalLM, context: list[int], max_tokens: int, repeats:
 
 
 def measure_drafter(target, name: str, options: dict, draft_model, prompts, max_new_tokens: int, bar) -> Measured:
-    extra = {"draft_model": draft_model} if DRAFTERS[name].needs_draft_model else {}
-    drafter = build_drafter(name, target, profile="none", **extra, **options)
+    drafter = build_drafter(name, target, draft_model, **options)
     steps = accepted = drafted = 0
     draft_seconds = 0.0
     for prompt in prompts:

@@ -1,8 +1,9 @@
 """Tuned profiles: the options `specdecode tune` picked per drafter, saved per target, dtype, weight format and model class.
 
-A profile is one JSON file under <cache>/profiles/. build_drafter applies a drafter's tuned options when the
-caller gave none; any explicit option wins (the tuned set is then not used at all, so options never mix), and
-the option profile=none turns the lookup off (to compare tuned against hand-picked defaults).
+A profile is one JSON file under <cache>/profiles/. The API, CLI, bench and server build drafters with
+tuned_drafter, which applies a drafter's tuned options when the caller gave none; any explicit option wins (the
+tuned set is then not used at all, so options never mix), and the option profile=none turns the lookup off (to
+compare tuned against hand-picked defaults). drafters.build_drafter itself never reads a profile.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from ..drafters.base import build_drafter, check_drafter_name
 from ..errors import SpecDecodeError
 from ..models.packaged import cache_root
 
@@ -46,10 +48,24 @@ def save_profile(target, profile: dict) -> Path:
     return path
 
 
-def tuned_options(name: str, target, draft_model, profile: str) -> dict:
-    """The options saved for drafter `name` on this target (and draft model), or {} when there are none."""
+def check_profile(profile: str) -> None:
     if profile not in PROFILE_CHOICES:
         raise SpecDecodeError(f"unknown profile '{profile}'.", "Use -o profile=auto (the default) or -o profile=none.")
+
+
+def tuned_drafter(name: str, target, draft_model=None, profile: str = "auto", **options):
+    """build_drafter, with the options saved for this drafter, target and draft model when none are given."""
+    check_drafter_name(name)
+    check_profile(profile)
+    tuned = {} if options else tuned_options(name, target, draft_model, profile)
+    drafter = build_drafter(name, target, draft_model, **(options or tuned))
+    drafter.tuned = bool(tuned)
+    return drafter
+
+
+def tuned_options(name: str, target, draft_model, profile: str) -> dict:
+    """The options saved for drafter `name` on this target (and draft model), or {} when there are none."""
+    check_profile(profile)
     saved = load_profile(target) if profile == "auto" else None
     entry = (saved or {}).get("drafters", {}).get(name)
     if not entry or entry.get("draft_model") != getattr(draft_model, "name", None):
