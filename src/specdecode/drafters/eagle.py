@@ -201,6 +201,7 @@ class Eagle3Drafter(EagleDrafter):
     """The same tree over an EAGLE-3 head: fused low/mid/high features, its own reduced-vocabulary LM head."""
 
     kind = "eagle3"
+    variants = ({}, {"depth": 3, "topk": 1})  # the tree code is eagle's; these cover its own head and vocabulary
 
     def logits(self, outputs):
         draft = self.head.draft_logits(outputs.to(self.head_dtype)).float()  # [F, Vd]
