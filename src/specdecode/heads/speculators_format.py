@@ -78,10 +78,17 @@ def speculators_config(config: HeadConfig) -> dict:
                 {"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1, "accept_tolerance": 0.0}
             ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": config.target or None, "architectures": [config.target_architecture or "LlamaForCausalLM"]},
+            "verifier": {"name_or_path": verifier_id(config.target), "architectures": [config.target_architecture or "LlamaForCausalLM"]},
         },
         "torch_dtype": "float32",
     }
+
+
+def verifier_id(target: str) -> str | None:
+    """The target as vLLM finds it: a shipped model's hub id, else the name it was trained under."""
+    from ..models.packaged import SHIPPED
+
+    return SHIPPED[target].hub_id if target in SHIPPED else target or None
 
 
 def _layer_shapes(layer: dict, **extra) -> dict:
