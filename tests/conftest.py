@@ -168,16 +168,20 @@ def quick_head(target, kind: str, folder):
 
 @pytest.fixture(autouse=True)
 def quick_heads(monkeypatch, tmp_path_factory):
-    """Head drafters (eagle, eagle3, medusa) built without a head folder get a quickly trained head when no
-    trained one is cached for the target (EAGLE-3's draft vocabulary: half the target's, so d2t is exercised)."""
+    """Head drafters (eagle, eagle3, medusa) built without a head folder, when no trained head is cached for the
+    target, get a quickly trained head on tiny models (EAGLE-3's draft vocabulary: half the target's, so d2t is
+    exercised) and a random one on real models (enough for losslessness)."""
     from specdecode.drafters import eagle
     from specdecode.heads.store import cache_dir
+    from specdecode.heads.target import new_head
 
     resolve = eagle.resolve_head
 
     def quick_or_cached(target, kind, draft_model):
         if draft_model is None and not (cache_dir(target.name, kind) / "config.json").is_file():
-            return quick_head(target, kind, tmp_path_factory.mktemp(f"{kind}-head"))
+            if target.name.startswith("tiny-"):
+                return quick_head(target, kind, tmp_path_factory.mktemp(f"{kind}-head"))
+            return new_head(kind, target, draft_vocab_size=target.vocab_size // 2).to(target.dtype)
         return resolve(target, kind, draft_model)
 
     monkeypatch.setattr(eagle, "resolve_head", quick_or_cached)
