@@ -52,18 +52,17 @@ def chat_sequences(
 def regenerate_answers(target, prompts: list[list[int]], answer_tokens: int, batch: int) -> list[list[int]]:
     """The target's greedy answers: batched with transformers' generate (left padding) on the hf backend, one at a
     time through the engine otherwise."""
-    answers: list[list[int]] = []
     bar = tqdm(total=len(prompts), desc="regenerating answers", unit="prompt")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    size = batch if isinstance(target, HFModel) else 1
     by_index: dict[int, list[int]] = {}
-    for first in range(0, len(order), batch if isinstance(target, HFModel) else 1):
-        group = order[first : first + batch]
+    for first in range(0, len(order), size):
+        group = order[first : first + size]
         for index, answer in zip(group, _generate(target, [prompts[i] for i in group], answer_tokens)):
             by_index[index] = answer
         bar.update(len(group))
     bar.close()
-    answers = [by_index[i] for i in range(len(prompts))]
-    return answers
+    return [by_index[i] for i in range(len(prompts))]
 
 
 def _generate(target, prompts: list[list[int]], answer_tokens: int) -> list[list[int]]:
