@@ -219,3 +219,12 @@ def test_missing_head_and_bad_training_device_are_clear_errors(tmp_path, monkeyp
     if not torch.cuda.is_available():
         assert main(["train", "eagle3", "--model", "some-model", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_batched_regeneration_gives_each_prompt_its_greedy_answer(target):
+    from specdecode.train.extract import regenerate_answers
+
+    prompts = [[5, 9, 2], [7, 1, 3, 3, 8, 20], [4], [30, 31, 32, 33]]
+    batched = regenerate_answers(target, prompts, 10, batch=3)  # left-padded transformers generate
+    alone = [generate(target, build_drafter("none", target), p, 10, GREEDY)[0] for p in prompts]
+    assert batched == alone
