@@ -199,3 +199,67 @@ def tiny_foreign_pair(target_spec: str, seed: int = 1):
         return native_twin(target, backend.removeprefix("native").lstrip("-") or "none"), draft_model
     return target, draft_model
 
+
+
+def greedy_sequences(target, count: int, length: int = 24):
+    """The target's own greedy continuations of varied prompts (what the trainer's regeneration gives)."""
+    from specdecode.drafters import build_drafter
+    from specdecode.engine import generate
+    from specdecode.sampling import SamplingParams
+    from specdecode.train.extract import Sequence
+
+    vocab = target.vocab_size
+    out = []
+    for i in range(count):
+        prompt = [(7 * i + 3 * j) % (vocab - 4) + 2 for j in range(6)]
+        answer, _ = generate(target, build_drafter("none", target), prompt, length, SamplingParams())
+        out.append(Sequence(prompt + answer, len(prompt)))
+    return out
+
+
+_QUICK_HEADS: dict = {}
+
+
+def quick_head(target, kind: str, folder):
+    """A head trained for a few seconds on the target's greedy continuations (cached per target and kind): tiny
+    models get heads whose drafts are sometimes accepted, so the lossless checks exercise accepted paths."""
+    from specdecode.heads.target import feature_layers
+    from specdecode.train.extract import FeatureStore
+    from specdecode.train.trainer import Budget, TrainingRun, initial_head
+
+    key = (target.name, kind)
+    if key not in _QUICK_HEADS:
+        folder.mkdir(parents=True, exist_ok=True)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SPECDECODE_CACHE", str(folder / "cache"))  # the trainer publishes its head there
+            store = FeatureStore(folder / "features")
+            layers = feature_layers(kind, target) if kind == "eagle3" else []
+            store.extract(target, greedy_sequences(target, 16), layers, kind == "eagle3", {"kind": kind})
+            sequences = store.load()
+            budget = Budget(epochs=6, draft_vocab=target.vocab_size // 2, ttt_steps=2, medusa_heads=3, lr=3e-3,
+                            warmup=2, batch=4, held_out=0)
+            head = initial_head(kind, target, sequences, budget)
+            TrainingRun(kind, head, target, sequences, folder, budget, "cpu", False).run([])
+        _QUICK_HEADS[key] = head.eval().to(target.dtype)
+    return _QUICK_HEADS[key]
+
+
+@pytest.fixture(autouse=True)
+def quick_heads(monkeypatch, tmp_path_factory):
+    """Head drafters (eagle, eagle3, medusa) built without a head folder, when no trained head is cached for the
+    target, get a quickly trained head on tiny models (EAGLE-3's draft vocabulary: half the target's, so d2t is
+    exercised) and a random one on real models (enough for losslessness)."""
+    from specdecode.drafters import eagle
+    from specdecode.heads.store import cache_dir
+    from specdecode.heads.target import new_head
+
+    resolve = eagle.resolve_head
+
+    def quick_or_cached(target, kind, draft_model):
+        if draft_model is None and not (cache_dir(target.name, kind) / "config.json").is_file():
+            if target.name.startswith("tiny-"):
+                return quick_head(target, kind, tmp_path_factory.mktemp(f"{kind}-head"))
+            return new_head(kind, target, draft_vocab_size=target.vocab_size // 2).to(target.dtype)
+        return resolve(target, kind, draft_model)
+
+    monkeypatch.setattr(eagle, "resolve_head", quick_or_cached)

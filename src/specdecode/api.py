@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .drafters import DRAFTERS, Drafter
 from .engine import Stats, decode, generate
 from .governor import Governor
 from .errors import SpecDecodeError
@@ -48,9 +49,9 @@ class SpecDecoder:
     ):
         self.target = load_model(model, dtype, backend, quant)
         self.drafter_name = drafter
-        self.draft_model = None if draft_model is None else load_model(
-            draft_model, dtype, backend, quant if draft_quant is None else draft_quant
-        )
+        self.draft_model = draft_model  # None, a loaded model, or a folder a head drafter reads itself
+        if isinstance(draft_model, str) and not DRAFTERS.get(drafter, Drafter).takes_draft_folder:
+            self.draft_model = load_model(draft_model, dtype, backend, quant if draft_quant is None else draft_quant)
         self.drafter_options = drafter_options
         self.governed = governor
         self.drafter = self.new_drafter()

@@ -1,4 +1,5 @@
-"""The command line: specdecode generate | bench | audit | tune | serve | chat | loadtest | pull | models | drafters."""
+"""The command line: specdecode generate | bench | audit | tune | serve | chat | loadtest | pull | models | drafters |
+train | export-head."""
 
 from __future__ import annotations
 
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the shipped models").set_defaults(run=cmd_models)
     sub.add_parser("drafters", help="list the registered drafters").set_defaults(run=cmd_drafters)
+    from .train.commands import add_parsers as add_training_parsers
+
+    add_training_parsers(sub)  # train, export-head
     return parser
 
 

@@ -124,7 +124,9 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
         )
     options = parse_options(option_pairs)
     governed = bool(options.pop("governor", True))  # +governor=false: speculate at every step
-    draft = load(draft_model, weights or None, draft=True) if draft_model else None
+    draft = draft_model or None  # a head drafter reads its folder itself
+    if draft_model and not DRAFTERS[name].takes_draft_folder:
+        draft = load(draft_model, weights or None, draft=True)
     drafter = tuned_drafter(name, target, draft_model=draft, **options)
     return EngineMethod(spec, target, drafter, governed)
 

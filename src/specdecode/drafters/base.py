@@ -45,6 +45,8 @@ class Drafter(ABC):
     name: ClassVar[str]
     needs_draft_model: ClassVar[bool] = False  # True: the constructor takes draft_model=<CausalLM>
     foreign_vocabulary: ClassVar[bool] = False  # True: that draft model may use another tokenizer than the target
+    # True: draft_model (optional) is a folder the drafter loads itself (a trained head), not a CausalLM
+    takes_draft_folder: ClassVar[bool] = False
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
@@ -101,7 +103,8 @@ def build_drafter(name: str, target, draft_model=None, **options) -> Drafter:
     own = {key: value for key, value in options.items() if key not in HYBRID_OPTIONS}
     hybrid = {key: value for key, value in options.items() if key in HYBRID_OPTIONS}
     try:
-        drafter = cls(target, draft_model=draft_model, **own) if cls.needs_draft_model else cls(target, **own)
+        takes_model = cls.needs_draft_model or (cls.takes_draft_folder and draft_model is not None)
+        drafter = cls(target, draft_model=draft_model, **own) if takes_model else cls(target, **own)
         if hybrid.get("lookup", 0):
             drafter = LookupHybrid(drafter, target, **hybrid)
     except OptionError as exc:

@@ -100,3 +100,15 @@ def row_ops(exact: bool) -> TorchOps | ExactOps:
 
     native = kernels.native() if exact else None
     return ExactOps(native) if native is not None else TorchOps()
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, q, D] for [B, q] positions, computed for this call (model files keep a RotaryTable)."""
+    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, q, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, 1, q, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def attend(kv, layer: int, queries, keys, values, mask, scale=None) -> torch.Tensor:  # [B*q, Hq*D]
+    """Torch's attention over a KV cache (TorchOps.attend), for callers without a model (draft heads)."""
+    return TorchOps().attend(kv, layer, queries, keys, values, mask, scale)

@@ -1,0 +1,16 @@
+"""Feature-level draft heads (EAGLE-1, EAGLE-3, Medusa-1): the torch modules, how they are stored and found, and
+what they borrow from the target."""
+
+from .eagle import EagleHead
+from .eagle3 import Eagle3Head
+from .layer import KINDS, HeadConfig
+from .medusa import MedusaHeads
+
+HEAD_CLASSES = {"eagle": EagleHead, "eagle3": Eagle3Head, "medusa": MedusaHeads}
+
+
+def build_head(config: HeadConfig):
+    return HEAD_CLASSES[config.kind](config)
+
+
+__all__ = ["HEAD_CLASSES", "KINDS", "Eagle3Head", "EagleHead", "HeadConfig", "MedusaHeads", "build_head"]

@@ -1,0 +1,156 @@
+"""The pieces every feature-level draft head shares: its config, one Llama decoder layer over a KV cache, and the
+key/value store training uses instead of a KVCache.
+
+A head's decoder layer takes its attention input and its residual separately (EAGLE-1 feeds fc's output as both;
+EAGLE-3 feeds [norm(embedding), norm(hidden)] to attention and the hidden alone to the residual). Positions and the
+attention mask are arguments; keys and values go through models/native/ops.attend, so at inference they live in
+the engine's KVCache (drafted tree levels stay uncommitted until the drafter discards them)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVCache
+from ..models.native.ops import apply_rotary, attend, inverse_frequencies, rotary
+
+KINDS = ("eagle", "eagle3", "medusa")
+
+
+@dataclass
+class HeadConfig:
+    """Everything needed to rebuild a head; the target's shapes are copied in when the head is made for it."""
+
+    kind: str  # eagle | eagle3 | medusa
+    hidden_size: int
+    vocab_size: int  # the target's vocabulary
+    num_attention_heads: int = 1
+    num_key_value_heads: int = 1
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    draft_vocab_size: int = 0  # eagle3: rows of its own LM head (0 = the target's vocabulary)
+    feature_layers: list[int] = field(default_factory=list)  # eagle3: the target layers whose inputs are fused
+    num_heads: int = 4  # medusa: how many tokens ahead it predicts
+    norm_before_residual: bool = False  # eagle3: the residual takes the normalized hidden (speculators' flag)
+    target: str = ""  # the target's name, for finding the head again
+    target_architecture: str = ""  # e.g. LlamaForCausalLM (for the speculators verifier config)
+    ttt_steps: int = 1  # eagle3: training-time-test steps it was trained with (informational)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown head kind {self.kind}")
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HeadConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight.to(x.dtype), self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: HeadConfig, in_size: int):
+        super().__init__()
+        c = config
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(in_size, c.num_attention_heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.register_buffer("inv_freq", inverse_frequencies(c.head_dim, c.rope_theta), persistent=False)
+
+    def forward(self, x, positions, kv, mask) -> torch.Tensor:
+        """x [B, q, in] at positions [B, q]; kv stores this layer's keys (layer 0); mask [B, q, keys] bool."""
+        b, q, _ = x.shape
+
+        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, n, q, D]
+            return proj(x).view(b, q, n, self.head_dim).transpose(1, 2)
+
+        cos, sin = rotary(positions, self.inv_freq, x.dtype)  # [B, 1, q, D]
+        queries = apply_rotary(heads(self.q_proj, self.n_heads), cos, sin)
+        keys = apply_rotary(heads(self.k_proj, self.n_kv_heads), cos, sin)
+        values = heads(self.v_proj, self.n_kv_heads)
+        out = attend(kv, 0, queries, keys, values.to(keys.dtype), mask)  # [B*q, Hq*D]
+        return self.o_proj(out.view(b, q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        d, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """residual + attention(attn_input), then + MLP(post_attention_layernorm(.)): a Llama block whose input norm
+    (if any) the head applies itself."""
+
+    def __init__(self, config: HeadConfig, in_size: int):
+        super().__init__()
+        self.self_attn = Attention(config, in_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, attn_input, residual, positions, kv, mask) -> torch.Tensor:  # [B, q, d]
+        hidden = residual + self.self_attn(attn_input, positions, kv, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class SequenceKV:
+    """The KVCache stand-in for training: update() appends a step's [B, H, T, D] keys to the earlier steps' (in
+    autograd), so training-time test's unrolled steps attend over every step so far."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        if self.keys is None:
+            self.keys, self.values = new_keys, new_values
+        else:
+            self.keys = torch.cat([self.keys, new_keys], dim=2)
+            self.values = torch.cat([self.values, new_values], dim=2)
+        return self.keys, self.values
+
+
+def head_cache(config: HeadConfig, capacity: int, dtype: torch.dtype) -> KVCache:
+    """The KV cache of a head's one decoder layer."""
+    return KVCache(1, config.num_key_value_heads, config.head_dim, capacity, dtype)
+
+
+def step_mask(length: int, step: int) -> torch.Tensor:
+    """[T, (step+1) T] bool: training-time test's mask at unrolled step `step` over T positions: causal over the
+    first step's keys, plus each later step's key at the query's own position (its chain of drafted ancestors)."""
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    diagonal = torch.eye(length, dtype=torch.bool)
+    return torch.cat([causal] + [diagonal] * step, dim=1)

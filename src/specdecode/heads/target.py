@@ -1,0 +1,105 @@
+"""What a draft head borrows from its target: the input embedding, the final norm and the LM head (shared, never
+copied), the shapes a head is built with, and which of the target's hidden states it reads (models.base.HiddenStates
+numbering: layer i's input; n_layers = the last layer's output before the final norm)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.base import CausalLM, HiddenStates, prefill
+from ..models.hf import HFModel
+from .layer import HeadConfig
+
+
+def eagle3_layers(target: CausalLM) -> list[int]:
+    """EAGLE-3's low, middle and high features: the inputs of layers 2, L//2 and L-3 (clamped for tiny models)."""
+    count = target.n_layers
+    return [min(2, count - 1), count // 2, max(count - 3, 0)]
+
+
+def feature_layers(kind: str, target: CausalLM) -> list[int]:
+    """The hidden states a head of this kind reads; n_layers = the last layer's output (then the final norm)."""
+    return eagle3_layers(target) if kind == "eagle3" else [target.n_layers]
+
+
+def hidden_size(target: CausalLM) -> int:
+    return int(target.embed(torch.zeros(1, dtype=torch.long)).shape[-1])
+
+
+def embed(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
+    return target.embed(token_ids)
+
+
+def final_norm(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [..., d], in the target's dtype
+    return target.final_norm(hidden.to(target.dtype))
+
+
+def lm_head(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
+    return target.lm_head_logits(hidden.to(target.dtype))
+
+
+def frozen_weights(target: CausalLM) -> dict[str, torch.Tensor]:
+    """float32 copies of the embedding [V, d], final norm [d] and LM head [V, d], for training (autograd)."""
+    if isinstance(target, HFModel):
+        model = target.model
+        norm = model.model.norm.weight.detach().float()
+        return {
+            "embedding": model.get_input_embeddings().weight.detach().float(),
+            "norm": norm, "lm_head": model.get_output_embeddings().weight.detach().float(),
+        }
+    return {"embedding": target.embedding.float(), "norm": target.norm.float(), "lm_head": target.lm_head.dense.float()}
+
+
+def head_config(kind: str, target: CausalLM, **overrides) -> HeadConfig:
+    """A head config with the target's attention shapes (one decoder layer like the target's own)."""
+    if isinstance(target, HFModel):
+        c = target.model.config.get_text_config(decoder=True)
+        rope = getattr(c, "rope_parameters", None) or {}
+        shapes = dict(
+            hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=target.head_dim,
+            intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            target_architecture=(target.model.config.architectures or [type(target.model).__name__])[0],
+        )
+    else:
+        inv_freq = next(iter(target.kinds.values()))[0]
+        d = target.embedding.shape[1]
+        shapes = dict(
+            hidden_size=d, num_attention_heads=target.n_heads, num_key_value_heads=target.n_kv_heads,
+            head_dim=target.head_dim, intermediate_size=target.blocks[0].down.dense.shape[1], rms_norm_eps=target.eps,
+            rope_theta=float(inv_freq[1] ** (-target.head_dim / 2)) if inv_freq.numel() > 1 else 10000.0,
+            target_architecture=type(target).__name__,
+        )
+    shapes.update(vocab_size=target.vocab_size, target=target.name, feature_layers=feature_layers(kind, target))
+    shapes.update(overrides)
+    return HeadConfig(kind=kind, **shapes)
+
+
+def head_features(kind: str, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """[n, d or K d]: what a head of this kind reads of the target's [K, n, H] hidden states (its feature_layers,
+    in order): the last layer's output through the target's final norm (eagle, medusa), or the K layer inputs
+    side by side (eagle3)."""
+    if kind == "eagle3":
+        return hidden.permute(1, 0, 2).reshape(hidden.shape[1], -1)
+    return final_norm(target, hidden[0])
+
+
+@torch.inference_mode()
+def hidden_states(target: CausalLM, token_ids: list[int], layers: list[int]) -> torch.Tensor:
+    """[K, n, H] the target's states of these layers over a sequence (one forward on a fresh cache)."""
+    asked = HiddenStates(tuple(layers))
+    prefill(target, target.new_cache(len(token_ids)), token_ids, asked)
+    return asked.states
+
+
+def new_head(kind: str, target: CausalLM, seed: int = 0, **overrides):
+    """A freshly initialised head of this kind for `target` (float32). EAGLE-3's draft vocabulary starts as the
+    first draft_vocab_size token ids; training replaces it with the most frequent ones."""
+    from . import build_head
+
+    torch.manual_seed(seed)
+    head = build_head(head_config(kind, target, **overrides))
+    if kind == "eagle3":
+        head.set_vocabulary(torch.arange(head.config.draft_vocab_size))
+    return head.float().eval()

@@ -1,0 +1,1 @@
+"""Training feature-level draft heads on this machine (see trainer.py)."""

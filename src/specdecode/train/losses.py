@@ -1,0 +1,107 @@
+"""The training objective of each head kind, on one padded batch of sequences (right padding: under the causal
+mask no valid row ever sees a padded one).
+
+- eagle (EAGLE-1): from (feature f_t + uniform noise, token x_{t+1}) predict f_{t+1}: SmoothL1 on the feature plus
+  0.1 x the cross-entropy of the target's distribution lm_head(f_{t+1}) against lm_head(f_hat) (EAGLE's v_w 1.0,
+  p_w 0.1).
+- eagle3 (EAGLE-3): the fused features through fc, then `steps` unrolled draft steps (training-time test): step j
+  feeds each row's step j-1 output with the token j places further on, at that position, attending causally over
+  the first step's keys and to its own row's keys of later steps (layer.step_mask); each step's loss is the
+  cross-entropy against the target's distribution restricted to the draft vocabulary, on rows whose next token
+  is in it, weighted 0.8^j.
+- medusa (Medusa-1): head k's cross-entropy on the token k+2 places ahead, weighted 0.8^k.
+
+Frozen target tensors (embedding, LM head) come in `frozen`; nothing of the target is trained."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..heads.layer import SequenceKV, step_mask
+
+NOISE = 0.2  # EAGLE's uniform feature noise: U(-0.1, 0.1)
+
+
+def soft_cross_entropy(target_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [..] per row
+    return -(torch.softmax(target_logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def eagle_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[torch.Tensor, dict]:
+    ids, last, valid = batch["ids"], batch["last"].float(), batch["valid"]  # [B, T], [B, T, d], [B, T]
+    t = ids.shape[1] - 1
+    features = last[:, :-1]
+    if train:
+        features = features + (torch.rand_like(features) - 0.5) * NOISE
+    embeds = F.embedding(ids[:, 1:], frozen["embedding"])
+    positions = torch.arange(1, t + 1, device=ids.device).expand(ids.shape[0], t)
+    mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]
+    predicted = head(embeds, features, positions, SequenceKV(), mask).float()  # [B, t, d]
+    wanted = last[:, 1:]
+    rows = valid[:, 1:]
+    regression = masked_mean(F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), rows)
+    with torch.no_grad():
+        target_logits = wanted @ frozen["lm_head"].T  # [B, t, V]
+    logits = predicted @ frozen["lm_head"].T
+    token = masked_mean(soft_cross_entropy(target_logits, logits), rows)
+    accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), rows)
+    return regression + 0.1 * token, {"acc": float(accuracy), "reg": float(regression.detach())}
+
+
+def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True) -> tuple[torch.Tensor, dict]:
+    ids, last, fused, valid = batch["ids"], batch["last"].float(), batch["fused"], batch["valid"]
+    b, t = ids.shape[0], ids.shape[1] - 1  # rows: t = 0..T-2, one per (feature t, token t+1)
+    draft_head = frozen["draft_lm_head"]  # [Vd, d]
+    with torch.no_grad():
+        target_logits = last @ draft_head.T  # [B, T, Vd]: the target's distribution over the draft vocabulary
+    in_vocab = head.t2d[ids]  # [B, T]: the next token is drafteable
+    pad = steps  # tokens, targets and masks padded so every step reads `t` rows
+    ids_p = F.pad(ids, (0, pad))
+    target_p = F.pad(target_logits, (0, 0, 0, pad))
+    ok = F.pad(valid & in_vocab, (0, pad))
+    hidden = head.feature_input(fused[:, :-1])  # [B, t, d]
+    kv = SequenceKV()
+    total, metrics = 0.0, {}
+    for step in range(steps):
+        embeds = F.embedding(ids_p[:, 1 + step : 1 + step + t], frozen["embedding"])  # token t+1+j
+        positions = torch.arange(1 + step, 1 + step + t, device=ids.device).expand(b, t)
+        hidden = head(embeds, hidden, positions, kv, step_mask(t, step).to(ids.device)[None])  # [B, t, d]
+        logits = head.draft_logits(hidden)  # [B, t, Vd]
+        wanted = target_p[:, 1 + step : 1 + step + t]  # the target's distribution at position t+1+j
+        rows = ok[:, 2 + step : 2 + step + t]  # the token predicted (t+2+j) is in the answer and drafteable
+        loss = masked_mean(soft_cross_entropy(wanted, logits), rows)
+        total = total + (0.8**step) * loss
+        metrics[f"acc{step}"] = float(masked_mean((logits.argmax(-1) == wanted.argmax(-1)).float(), rows))
+    metrics["acc"] = metrics["acc0"]
+    return total, metrics
+
+
+def medusa_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[torch.Tensor, dict]:
+    ids, last, valid = batch["ids"], batch["last"].float(), batch["valid"]
+    outputs = head(last)  # [B, T, K, d]
+    total, metrics = 0.0, {}
+    for k in range(outputs.shape[2]):
+        ahead = k + 2  # head k at position t guesses the token at t + k + 2
+        if ids.shape[1] <= ahead:
+            break
+        logits = outputs[:, : -ahead, k] @ frozen["lm_head"].T  # [B, T-ahead, V]
+        labels = ids[:, ahead:]
+        rows = valid[:, ahead:]
+        loss = masked_mean(F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none"), rows)
+        total = total + (0.8**k) * loss
+        metrics[f"acc{k}"] = float(masked_mean((logits.argmax(-1) == labels).float(), rows))
+    metrics["acc"] = metrics.get("acc0", 0.0)
+    return total, metrics
+
+
+def head_loss(kind: str, head, batch: dict, frozen: dict, steps: int, train: bool = True):
+    if kind == "eagle":
+        return eagle_loss(head, batch, frozen, train)
+    if kind == "eagle3":
+        return eagle3_loss(head, batch, frozen, steps, train)
+    return medusa_loss(head, batch, frozen, train)

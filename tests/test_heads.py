@@ -1,0 +1,230 @@
+"""Feature-level draft heads: the training-time-test mask, the draft vocabulary, the trainer on a tiny target
+(loss falls, checkpoints resume), head folders (ours, speculators, the original EAGLE layouts) and their drafters'
+losslessness with imported heads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdecode.drafters import build_drafter
+from specdecode.engine import generate
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.layer import step_mask
+from specdecode.heads.speculators_format import export_speculators
+from specdecode.heads.store import load_head, save_head
+from specdecode.heads.target import new_head
+from specdecode.sampling import SamplingParams
+from specdecode.train.data import records
+from specdecode.train.extract import FeatureStore
+from specdecode.train.trainer import Budget, TrainingRun, draft_vocabulary, initial_head
+
+from conftest import greedy_sequences, native_twin, tiny_model
+
+GREEDY = SamplingParams()
+PROMPTS = [[3, 9, 4, 17, 3, 9, 4, 22, 3, 9], [11, 5, 60, 2, 33, 48, 7, 1]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", seed=1)
+
+
+def test_training_time_test_mask():
+    mask = step_mask(3, 2)  # [3, 9]: causal over step 0, then each later step's key at the query's own row
+    assert mask.int().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
+
+
+def test_draft_vocabulary_is_the_most_frequent_answer_tokens_and_d2t_maps_back(target):
+    sequences = [{"ids": torch.tensor([1, 2, 9, 9, 9, 5, 5, 7]), "prompt_len": 2},
+                 {"ids": torch.tensor([9, 3, 3, 5]), "prompt_len": 1}]
+    chosen = draft_vocabulary(sequences, 3, 64)  # answers: 9 x3, 5 x3, 3 x2, 7 x1 (prompt tokens 1, 2, 9 ignored)
+    assert chosen.tolist() == [3, 5, 9]
+    head = new_head("eagle3", target, draft_vocab_size=3)
+    head.set_vocabulary(chosen)
+    assert head.target_ids().tolist() == [3, 5, 9]
+    assert head.t2d.nonzero().flatten().tolist() == [3, 5, 9]
+
+
+def test_sharegpt_records_stop_at_the_last_complete_record():
+    text = '[\n {"id": "a", "conversations": []},\n {"id": "b", "conversations": [{"from": "hu'
+    assert [r["id"] for r in records(text)] == ["a"]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path, kind, monkeypatch):
+    from specdecode.models import packaged
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    assert packaged.cache_root() == tmp_path / "cache"
+    store = FeatureStore(tmp_path / "features")
+    layers = [0, 1, 1] if kind == "eagle3" else []
+    store.extract(target, greedy_sequences(target, 12), layers, kind == "eagle3", {"test": kind}, shard_tokens=150)
+    assert len(store.manifest["shards"]) > 1  # several shards, read back in order
+    sequences = store.load()
+    assert [len(s["ids"]) for s in sequences] == [30] * 12
+    budget = Budget(epochs=1, draft_vocab=32, ttt_steps=2, medusa_heads=2, lr=3e-3, warmup=2, batch=2, eval_tokens=8)
+    run = TrainingRun(kind, initial_head(kind, target, sequences, budget), target, sequences, tmp_path, budget, "cpu", False)
+    first = run.run(PROMPTS[:1])
+    assert first["epoch"] == 1 and first["history"][0]["tau"] >= 1.0
+    more = Budget(**{**budget.__dict__, "epochs": 4})
+    resumed = TrainingRun(kind, initial_head(kind, target, sequences, more), target, sequences, tmp_path, more, "cpu", False)
+    assert resumed.state["epoch"] == 1  # picked up the checkpoint
+    history = resumed.run(PROMPTS[:1])["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert history[-1]["loss"] < history[0]["loss"]
+    trained = load_head(tmp_path / "cache" / "heads" / target.name / kind)  # published where drafters look
+    assert torch.equal(trained.state_dict()[next(iter(trained.state_dict()))], resumed.head.state_dict()[next(iter(trained.state_dict()))])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    store = FeatureStore(tmp_path / "features")
+    store.extract(target, greedy_sequences(target, 4), [0, 1, 1], True, {"test": "cuda"})
+    sequences = store.load()
+    budget = Budget(epochs=2, draft_vocab=32, ttt_steps=2, lr=3e-3, warmup=1, batch=2)
+    run = TrainingRun("eagle3", initial_head("eagle3", target, sequences, budget), target, sequences, tmp_path,
+                      budget, "cuda", True)
+    assert [h["epoch"] for h in run.run(PROMPTS[:1])["history"]] == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_head_folder_loads_back_bit_identically(target, tmp_path, kind):
+    head = new_head(kind, target, seed=3, draft_vocab_size=20)
+    loaded = load_head(save_head(head, tmp_path / kind), kind)
+    assert loaded.config == head.config
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(SpecDecodeError, match="not"):
+        load_head(tmp_path / kind, "eagle" if kind != "eagle" else "medusa")
+
+
+def speculators_head(target, tmp_path):
+    head = new_head("eagle3", target, seed=4, draft_vocab_size=24)
+    head.set_vocabulary(torch.arange(0, 48, 2))
+    return head, export_speculators(head, tmp_path / "speculators")
+
+
+def test_speculators_export_names_and_loads_back_bit_identically(target, tmp_path):
+    head, folder = speculators_head(target, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == 24 and config["norm_before_residual"] is False
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["speculators_config"]["algorithm"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == target.name
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(folder / "model.safetensors")))
+    assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+            "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+            "d2t", "t2d"} <= names
+    loaded = load_head(folder, "eagle3")
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.target_ids().tolist() == list(range(0, 48, 2))
+
+
+def test_speculators_validates_the_exported_config(target, tmp_path):
+    eagle3_config = pytest.importorskip("speculators.models.eagle3", reason="speculators is not installed")
+    _, folder = speculators_head(target, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    config = eagle3_config.Eagle3SpeculatorConfig.model_validate(raw)
+    assert config.draft_vocab_size == 24 and config.target_vocab_size == target.vocab_size
+    assert config.speculators_config.default_proposal_method == "greedy"
+    assert config.transformer_layer_config.hidden_size == 32
+
+
+def save_original_eagle1(head, target, folder):
+    """A checkpoint as SafeAILab/EAGLE's EAGLE-1 code saves it: its own parameter names, pytorch_model.bin, a
+    Llama config.json; the target's embedding stored alongside (ignored on import)."""
+    folder.mkdir()
+    state = head.state_dict()
+    original = {"embed_tokens.weight": target.embed(torch.arange(target.vocab_size)).clone(),
+                "fc.weight": state["fc.weight"], "fc.bias": state["fc.bias"]}
+    for name, tensor in state.items():
+        if name.startswith("layer."):
+            original["layers.0." + name[len("layer."):]] = tensor
+    torch.save(original, folder / "pytorch_model.bin")
+    c = head.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
+    }))
+
+
+def save_original_eagle3(head, folder):
+    """EAGLE-3's layout: the decoder layer under `midlayer.`, d2t/t2d, model.safetensors."""
+    folder.mkdir()
+    original = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("layer."):
+            name = "midlayer." + name[len("layer."):]
+        elif name.startswith(("input_layernorm.", "hidden_norm.")):
+            name = "midlayer." + name
+        original[name] = tensor.contiguous()
+    save_file(original, str(folder / "model.safetensors"))
+    c = head.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+    }))
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_original_eagle_checkpoint_imports_and_decodes_losslessly(target, tmp_path, kind, backend):
+    head = new_head(kind, target, seed=5, draft_vocab_size=40)
+    folder = tmp_path / "original"
+    save_original_eagle1(head, target, folder) if kind == "eagle" else save_original_eagle3(head, folder)
+    imported = load_head(folder, kind)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(imported.state_dict()[name], tensor), name
+    model = target if backend == "hf" else native_twin(target)
+    for prompt in PROMPTS:
+        plain, _ = generate(model, build_drafter("none", model), prompt, 30, GREEDY)
+        spec, stats = generate(model, build_drafter(kind, model, draft_model=str(folder)), prompt, 30, GREEDY)
+        assert spec == plain
+        assert stats.target_forwards < 30 or stats.accepted_tokens == 0
+
+
+def test_head_of_another_target_is_refused(tmp_path):
+    small = tiny_model("llama", seed=1)
+    other = tiny_model("llama", seed=2, hidden=48)
+    folder = save_head(new_head("eagle", small), tmp_path / "h")
+    with pytest.raises(SpecDecodeError, match="hidden size"):
+        build_drafter("eagle", other, draft_model=str(folder))
+
+
+def test_missing_head_and_bad_training_device_are_clear_errors(tmp_path, monkeypatch, capsys):
+    from specdecode.cli import main
+    from specdecode.heads.store import find_head
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    with pytest.raises(SpecDecodeError, match="specdecode train eagle3 --model some-model"):
+        find_head("some-model", "eagle3")
+    with pytest.raises(SpecDecodeError, match="not a draft head folder"):
+        load_head(tmp_path)
+    if not torch.cuda.is_available():
+        assert main(["train", "eagle3", "--model", "some-model", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_batched_regeneration_gives_each_prompt_its_greedy_answer(target):
+    from specdecode.train.extract import regenerate_answers
+
+    prompts = [[5, 9, 2], [7, 1, 3, 3, 8, 20], [4], [30, 31, 32, 33]]
+    batched = regenerate_answers(target, prompts, 10, batch=3)  # left-padded transformers generate
+    alone = [generate(target, build_drafter("none", target), p, 10, GREEDY)[0] for p in prompts]
+    assert batched == alone
