@@ -47,7 +47,7 @@ def frozen_weights(target: CausalLM) -> dict[str, torch.Tensor]:
             "embedding": model.get_input_embeddings().weight.detach().float(),
             "norm": norm, "lm_head": model.get_output_embeddings().weight.detach().float(),
         }
-    return {"embedding": target.embedding.float(), "norm": target.norm.float(), "lm_head": target.lm_head.dense.float()}
+    return {"embedding": target.embedding.float(), "norm": target.norm.float(), "lm_head": target.lm_head.weight()}
 
 
 def head_config(kind: str, target: CausalLM, **overrides) -> HeadConfig:
@@ -67,7 +67,7 @@ def head_config(kind: str, target: CausalLM, **overrides) -> HeadConfig:
         d = target.embedding.shape[1]
         shapes = dict(
             hidden_size=d, num_attention_heads=target.n_heads, num_key_value_heads=target.n_kv_heads,
-            head_dim=target.head_dim, intermediate_size=target.blocks[0].down.dense.shape[1], rms_norm_eps=target.eps,
+            head_dim=target.head_dim, intermediate_size=target.blocks[0].down.in_features, rms_norm_eps=target.eps,
             rope_theta=float(inv_freq[1] ** (-target.head_dim / 2)) if inv_freq.numel() > 1 else 10000.0,
             target_architecture=type(target).__name__,
         )

@@ -34,7 +34,9 @@ class Linear:
         self.packed = tensors.get("packed")
         self.quant = quant if self.packed is not None else "none"
         self.dense = tensors.get("dense")
-        if self.packed is not None:
+        if self.packed is None:
+            self.out_features, self.in_features = self.dense.shape
+        else:
             self.out_features, self.in_features = (int(v) for v in tensors["shape"])
             self.kernels = kernels.native()
             if self.kernels is None:  # torch fallback: de-quantize once
@@ -43,6 +45,12 @@ class Linear:
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype) -> "Linear":
         return cls(prepare(weight, bias, quant, dtype), quant)
+
+    def weight(self) -> torch.Tensor:  # [N, K] float32
+        """The weights this layer multiplies by (de-quantized when quantized), e.g. for training a draft head."""
+        if self.packed is None:
+            return self.dense.float()
+        return dequantize(self.packed, self.quant)[: self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.dense is not None:
