@@ -260,7 +260,9 @@ def explain_divergence(d, dtype: str) -> str:
 def summary(stats) -> str:
     return (
         f"{stats.new_tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_second:.2f} tokens/s, "
-        f"tau {stats.tau:.2f} ({stats.target_forwards} target forwards)"
+        f"tau {stats.tau:.2f} ({stats.target_forwards} target forwards"
+        + (f", {stats.plain_steps} of them plain: speculation did not pay there" if stats.plain_steps else "")
+        + ")"
     )
 
 
