@@ -15,7 +15,7 @@ from specdecode.sampling import SamplingParams
 
 from conftest import bpe_tokenizer, foreign_tokenizers, perturbed_copy, tiny_foreign_pair, tiny_model
 from test_sampling_distribution import (
-    ENGINE_DRAFT_BIAS, ENGINE_DRAFT_MERGES, ENGINE_DRAFT_VOCAB, ENGINE_TARGET_MERGES, ENGINE_TARGET_VOCAB, LogitBias, engine_target,
+    ENGINE_DRAFT_BIAS, ENGINE_DRAFT_MERGES, ENGINE_DRAFT_VOCAB, ENGINE_TARGET_MERGES, ENGINE_TARGET_VOCAB, LogitBias, foreign_target,
 )
 
 GREEDY = SamplingParams()
@@ -66,7 +66,7 @@ def test_slem_never_retokenizes_committed_tokens():
 
 
 def slrs_engine_pair():
-    target = engine_target(bpe_tokenizer(vocab=ENGINE_TARGET_VOCAB, merges=ENGINE_TARGET_MERGES))
+    target = foreign_target(bpe_tokenizer(vocab=ENGINE_TARGET_VOCAB, merges=ENGINE_TARGET_MERGES))
     draft = tiny_model("llama", seed=7, vocab=8, layers=1, hidden=16, initializer_range=0.6)
     from conftest import native_twin
 
