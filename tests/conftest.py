@@ -211,7 +211,7 @@ def greedy_sequences(target, count: int, length: int = 24):
     vocab = target.vocab_size
     out = []
     for i in range(count):
-        prompt = [(7 * i + 3 * j) % (vocab - 4) + 2 for j in range(6)]
+        prompt = [(7 * i + 3 * j) % max(vocab - 4, 2) + 2 for j in range(6)]
         answer, _ = generate(target, build_drafter("none", target), prompt, length, SamplingParams())
         out.append(Sequence(prompt + answer, len(prompt)))
     return out

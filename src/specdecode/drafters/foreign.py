@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import torch
 
-from ..errors import SpecDecodeError
+from ..errors import SpecDecodeError, OptionError
 from ..models.base import CausalLM, prefill
 from .base import Drafter
 from .draft_length import draft_length
@@ -187,7 +187,7 @@ class ForeignDrafter(Drafter):
     def __init__(self, target: CausalLM, draft_model: CausalLM, depth: int = 6, length: str = "fixed",
                  threshold: float = 0.4):
         if depth < 1:
-            raise TypeError("need depth >= 1")
+            raise OptionError("need depth >= 1")
         self.target, self.depth = target, depth
         self.max_nodes = depth
         self.length = draft_length(length, depth, threshold)

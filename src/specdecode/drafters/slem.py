@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import OptionError
 from ..sampling import SamplingParams, probs_from_logits
 from ..tree import Draft
 from .base import register
@@ -32,7 +33,7 @@ class SLEMDrafter(ForeignDrafter):
                  lookbehind: int = 8):
         super().__init__(target, draft_model, depth, length, threshold)
         if lookbehind < 1:
-            raise TypeError("need lookbehind >= 1")
+            raise OptionError("need lookbehind >= 1")
         self.lookbehind = lookbehind
 
     def propose(self, context, params: SamplingParams, generator) -> Draft:

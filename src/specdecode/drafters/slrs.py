@@ -29,6 +29,7 @@ from itertools import count
 
 import torch
 
+from ..errors import OptionError
 from ..sampling import SamplingParams
 from .base import register
 from .tli import Path, Proposal, TLIDrafter
@@ -43,7 +44,7 @@ class SLRSDrafter(TLIDrafter):
                  expand: int = 4):
         super().__init__(target, draft_model, depth, length, threshold)
         if expand < 0:
-            raise TypeError("need expand >= 0")
+            raise OptionError("need expand >= 0")
         self.expand = expand
 
     def tree_nodes_per_level(self) -> int:
