@@ -137,7 +137,7 @@ def main() -> None:
             times = passes(layers, shapes, m, args.repeats)
             one = one or times[0]
             cells.append(f"{times[0]:.1f} [{times[len(times) // 2]:.1f}] {times[0] / one:.2f}x")
-        independent = rows_independent(make, *shapes[0][0:1][0])
+        independent = rows_independent(make, *shapes[0])
         print(f"| {name} | {'yes' if independent else 'no'} | " + " | ".join(cells) + " |", flush=True)
         del layers
 
