@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -130,6 +131,10 @@ def _compile():
 
     from ..models.packaged import cache_root
 
+    # the `ninja` that pip installed next to this Python, when the environment is not activated
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / digest
