@@ -86,19 +86,25 @@ def measure(target, repeats: int = 3) -> dict:
     return {"cpu": capability(), "kernels": kernels_in_use(target), "context": CONTEXT, "curve": curve}
 
 
-def cost_report(target, refresh: bool = False, measure_if_missing: bool = True) -> dict | None:
+_reports: dict[Path, dict] = {}  # curve file -> its report, read once per process (drafters are built per request)
+
+
+def cost_report(target, refresh: bool = False) -> dict:
     """The cached report for this machine and target, measured (and cached) when missing or `refresh`."""
     path = curve_path(target)
+    if path in _reports and not refresh:
+        return _reports[path]
+    report = None
     if path.exists() and not refresh:
         try:
-            return json.loads(path.read_text())
+            report = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             pass
-    if not measure_if_missing and not refresh:
-        return None
-    report = measure(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    if report is None:
+        report = measure(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+    _reports[path] = report
     return report
 
 
