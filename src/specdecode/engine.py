@@ -122,6 +122,7 @@ def decode_steps(
     start = time.perf_counter()
 
     cache = target.new_cache(capacity)
+    drafter.use_target_cache(cache)
     drafter.start(list(prompt_ids), capacity)
     hidden_layers = tuple(drafter.hidden_layers)
     prompt_hidden = HiddenStates(hidden_layers) if hidden_layers else None
@@ -152,7 +153,7 @@ def decode_steps(
         limit = remaining - 1 if cap is None else min(cap, remaining - 1)
         draft = draft.depth_limited(limit)  # may trim the draft: commit gets the trimmed one
         t1 = time.perf_counter()
-        request = tree_request(cache, context[-1], draft, hidden_layers)
+        request = tree_request(cache, context[-1], draft, hidden_layers)  # drops or keeps the drafter's entries
         target_logits = yield request  # [N+1, V], sent by the driver
         verdict = verifier.verify(draft, target_logits, params, generator)
         kept = [0] + [i + 1 for i in verdict.accepted]  # root + accepted path
