@@ -96,7 +96,7 @@ def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
     assert [h["epoch"] for h in run.run(PROMPTS[:1])["history"]] == [1, 2]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "kangaroo", "eesd"])
 def test_head_folder_loads_back_bit_identically(target, tmp_path, kind):
     head = new_head(kind, target, seed=3, draft_vocab_size=20)
     loaded = load_head(save_head(head, tmp_path / kind), kind)

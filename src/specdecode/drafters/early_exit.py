@@ -100,7 +100,7 @@ class ExitDrafter(SelfDrafter):
 @register("kangaroo")
 class KangarooDrafter(ExitDrafter):
     kind = "kangaroo"
-    variants = ({}, {"depth": 3, "threshold": 0.0}, {"depth": 5, "length": "fixed", "lookup": 2, "lookup_nodes": 4})
+    variants = ({}, {"depth": 3, "threshold": 0.0, "lookup": 2, "lookup_nodes": 4})
     tune_grid = ({"threshold": 0.4}, {"threshold": 0.8}, {"depth": 4}, {"depth": 8, "threshold": 0.4})
 
     def __init__(self, target, draft_model=None, depth: int = 6, threshold: float = 0.6, length: str = "confidence"):

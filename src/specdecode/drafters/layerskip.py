@@ -53,7 +53,7 @@ class LayerSkipDrafter(SelfDrafter):
     variants = (
         {},
         {"skip_attn": "0", "skip_mlp": "none", "depth": 4, "length": "fixed"},
-        {"skip_attn": "none", "skip_mlp": "0", "threshold": 0.0, "depth": 5},
+        {"skip_attn": "none", "skip_mlp": "0", "threshold": 0.0, "depth": 3},
     )
     tune_grid = ({"threshold": 0.6}, {"depth": 4}, {"depth": 12, "threshold": 0.6})
 

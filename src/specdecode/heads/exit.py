@@ -49,6 +49,9 @@ class ExitHead(nn.Module):
     def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
+    def target_ids(self) -> torch.Tensor:  # [Vd] the target token of each draft index
+        return self.vocab
+
     def set_vocabulary(self, target_ids: torch.Tensor) -> None:
         """Draft over these [Vd] target tokens (ascending)."""
         self.vocab.copy_(target_ids)

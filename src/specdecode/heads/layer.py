@@ -20,6 +20,9 @@ from ..models.native.ops import apply_rotary, attend, inverse_frequencies, rotar
 
 KINDS = ("eagle", "eagle3", "medusa", "kangaroo", "eesd")
 EXIT_KINDS = ("kangaroo", "eesd")  # heads on the target's first layers (heads/exit.py): feature_layers = [exit layer]
+# Heads that read their feature layers' own states ("fused" in the training data) rather than the final-normed last
+# feature alone, and that draft over their own vocabulary (set_vocabulary, target_ids)
+LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
 
 
 @dataclass

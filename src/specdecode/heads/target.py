@@ -60,7 +60,7 @@ def _norm_eps(target: CausalLM) -> float:
     return float(target.eps)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: training multiplies by these rows under autograd
 def lm_head_rows(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
     """[n, d] float32: the target's LM head rows of these tokens (a draft vocabulary), without materialising the
     whole head in float32 (Gemma's has 262k rows)."""

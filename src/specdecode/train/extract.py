@@ -5,7 +5,7 @@ head learns the target's own continuations, as EAGLE-3 and Medusa-2 do) or the d
 regeneration is off. Each sequence is then run through the target once, reading its hidden states (the forward's
 HiddenStates): the last layer's output after the final norm ("last"; every kind needs it: EAGLE-1's and Medusa's
 input, and the target distribution of every loss) and, for EAGLE-3, the fused inputs of its three layers
-("fused"). A shard holds many sequences back to back; manifest.json lists the shards, so an interrupted
+("fused"; for the exit heads of Kangaroo and EESD: the input of their exit layer). A shard holds many sequences back to back; manifest.json lists the shards, so an interrupted
 extraction resumes at the next shard."""
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class FeatureStore:
         tmp.replace(self.manifest_path)
 
     def load(self) -> list[dict[str, torch.Tensor]]:
-        """Every sequence: {ids [T], prompt_len, last [T, d], fused [T, 3d] (if extracted)}."""
+        """Every sequence: {ids [T], prompt_len, last [T, d], fused [T, K d] (if extracted)}."""
         out = []
         for shard in self.manifest["shards"]:
             tensors = load_file(str(self.folder / shard["file"]))
