@@ -23,7 +23,7 @@ class TinyTokenizer:
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.chat_template = None
+        self.chat_template = "stand-in"  # apply_chat_template below
 
     def get_vocab(self) -> dict[str, int]:
         return {f"t{i}": i for i in range(self.vocab_size)}

@@ -230,3 +230,24 @@ def test_a_missing_exit_head_names_the_training_command(tmp_path, monkeypatch):
     for kind in ("kangaroo", "eesd"):
         with pytest.raises(SpecDecodeError, match=f"specdecode train {kind} --model {target.name}"):
             build_drafter(kind, target)
+
+
+def test_server_batches_self_speculative_requests_and_each_gets_its_answer_alone():
+    """Resumed verifications run alone inside a batch round; requests finishing at different times move the others'
+    caches (kept draft entries included) between pool slots."""
+    from specdecode.engine import decode_steps
+    from specdecode.serve.scheduler import Scheduler
+
+    from test_batching import run_jobs
+
+    target = native_twin(tiny_model("qwen2", seed=1))
+    prompts = [PROMPT, [11, 5, 60, 2, 33, 48, 7, 1], [60, 61, 2], PROMPT[::-1]]
+    drafters = [("kangaroo", {"threshold": 0.0}), ("pld", {}), ("layerskip", {"skip_attn": "0"}), ("eesd", {})]
+    lengths = [30, 8, 20, 14]
+    expected = [generate(target, build_drafter(n, target, **o), p, k, GREEDY)[0]
+                for (n, o), p, k in zip(drafters, prompts, lengths)]
+    jobs = [decode_steps(target, build_drafter(n, target, **o), p, k, GREEDY)
+            for (n, o), p, k in zip(drafters, prompts, lengths)]
+    scheduler = Scheduler(target, max_batch=3)
+    assert run_jobs(scheduler, jobs) == expected
+    assert scheduler.active == 0 and scheduler.pool.keys is None

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..heads import target as target_side
 from ..models.hf import HFModel
-from ..text import chat_prompt_ids
+from ..text import prompt_ids
 from .data import Conversation
 
 
@@ -33,11 +33,12 @@ class Sequence:
 def chat_sequences(
     target, convs: list[Conversation], regenerate: bool, answer_tokens: int, max_prompt: int, batch: int
 ) -> list[Sequence]:
-    """Prompt ids (chat template) + answer ids, prompts longer than max_prompt tokens skipped."""
+    """Prompt ids (chat template, or the plain text for a base model) + answer ids, prompts longer than max_prompt
+    tokens skipped."""
     tokenizer = target.tokenizer
     prompts, kept = [], []
     for conv in convs:
-        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": conv.prompt}])
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": conv.prompt}])
         if len(ids) <= max_prompt:
             prompts.append(ids)
             kept.append(conv)

@@ -28,7 +28,7 @@ from ..heads import target as target_side
 from ..heads.layer import DRAFT_VOCAB_KINDS, EXIT_KINDS, LAYER_STATE_KINDS
 from ..heads.store import cache_dir, save_head
 from .data import sharegpt_text, split
-from ..text import chat_prompt_ids
+from ..text import prompt_ids
 from .extract import FeatureStore, chat_sequences
 from .losses import head_loss
 
@@ -80,11 +80,12 @@ def train(kind: str, target, out: Path, budget: Budget, device: str = "cpu", bf1
 
 
 def held_out_prompts(target, budget: Budget) -> list[list[int]]:
-    """Chat-templated prompt ids of the held-out ShareGPT conversations (never trained on)."""
+    """Prompt ids (chat template, or plain text for a base model) of the held-out ShareGPT conversations (never
+    trained on)."""
     if not budget.held_out:
         return []
     convs = split(sharegpt_text(), 0, budget.held_out)[1]
-    prompts = [chat_prompt_ids(target.tokenizer, [{"role": "user", "content": c.prompt}]) for c in convs]
+    prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": c.prompt}]) for c in convs]
     return [p for p in prompts if len(p) <= 4 * budget.max_prompt]
 
 
@@ -111,13 +112,16 @@ def prepare_features(kind: str, target, out: Path, budget: Budget) -> FeatureSto
 
 
 def draft_vocabulary(sequences: list[dict], size: int, vocab: int) -> torch.Tensor:
-    """[size] ascending target ids: the most frequent answer tokens (ties to the lower id), then the lowest unused
-    ids if the answers hold fewer distinct tokens."""
-    counts = torch.zeros(vocab, dtype=torch.long)
+    """[size] ascending target ids: the most frequent answer tokens (ties to the lower id); if the answers hold fewer
+    distinct tokens (a small budget, a large vocabulary), then the most frequent prompt tokens (the same kind of
+    text), then the lowest unused ids."""
+    answers = torch.zeros(vocab, dtype=torch.long)
+    prompts = torch.zeros(vocab, dtype=torch.long)
     for seq in sequences:
-        counts += torch.bincount(seq["ids"][seq["prompt_len"] :], minlength=vocab)
-    order = sorted(range(vocab), key=lambda token: (-int(counts[token]), token))[:size]
-    return torch.tensor(sorted(order))
+        answers += torch.bincount(seq["ids"][seq["prompt_len"] :], minlength=vocab)
+        prompts += torch.bincount(seq["ids"][: seq["prompt_len"]], minlength=vocab)
+    order = torch.argsort(-(answers * (int(prompts.max()) + 1) + prompts), stable=True)[:size]  # ties: lower id
+    return order.sort().values
 
 
 def initial_head(kind: str, target, sequences: list[dict], budget: Budget):

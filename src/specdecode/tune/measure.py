@@ -16,7 +16,7 @@ from ..drafters import DRAFTERS, build_drafter
 from ..engine import generate
 from ..models.base import CausalLM, prefill
 from ..sampling import SamplingParams
-from ..text import chat_prompt_ids
+from ..text import prompt_ids
 from .cost import Measured, choose, speedup, tokens_per_second
 
 
@@ -30,9 +30,7 @@ def tune_prompts(tokenizer, limit: int = 0) -> list[list[int]]:
         by_kind.setdefault(record["kind"], []).append(record["prompt"])
     rounds = itertools.zip_longest(*by_kind.values())
     texts = [text for texts in rounds for text in texts if text is not None][: limit or None]
-    if getattr(tokenizer, "chat_template", None):
-        return [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    return [tokenizer(t)["input_ids"] for t in texts]
+    return [prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
 
 def candidates_for(name: str, found: list[dict] = ()) -> list[dict]:

@@ -202,7 +202,9 @@ class LlamaModel(CausalLM):
         nothing and writes no cache entry."""
         if attention:
             hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
-        return hidden + self._mlp(block, hidden) if mlp else hidden
+        if mlp:
+            hidden = hidden + self._mlp(block, hidden)
+        return hidden
 
     def _attention(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:
         hq, hkv = self.n_heads, self.n_kv_heads
