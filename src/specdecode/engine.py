@@ -143,13 +143,14 @@ def decode_steps(
 
         t0 = time.perf_counter()
         cap = governor.plan() if governor is not None else None
+        limit = remaining - 1 if cap is None else min(cap, remaining - 1)  # the draft depth this step keeps
         if cap == 0:
             draft = Draft.empty()
             stats.plain_steps += 1
         else:
+            drafter.depth_limit = limit
             draft = drafter.propose(context, params, generator)
             assert len(draft) <= drafter.max_nodes, f"drafter '{drafter.name}' sent {len(draft)} > max_nodes nodes"
-        limit = remaining - 1 if cap is None else min(cap, remaining - 1)
         draft = draft.depth_limited(limit)  # may trim the draft: commit gets the trimmed one
         t1 = time.perf_counter()
         request = tree_request(cache, context[-1], draft, hidden_layers)
