@@ -117,3 +117,18 @@ def test_capped_steps_draft_no_deeper_than_kept():
     # one draft-model forward per step (extending to the root); without the limit, 3 more per step expand levels
     # 2..4 that the engine would trim
     assert len(levels) <= steps
+
+
+def test_capped_steps_verify_narrow_drafts():
+    """A cap of c levels also bounds the rows: at most 2c draft nodes, even from a wide drafter (lookahead's
+    window and n-gram candidates), and the output stays plain decoding's."""
+    target, _ = tiny_pair("qwen2:native", seed=5)
+    prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
+    plain, _ = generate(target, build_drafter("none", target), prompt, 30, GREEDY)
+    uncapped_spec, uncapped = generate(target, build_drafter("lookahead", target), prompt, 30, GREEDY)
+    capped = Governor()
+    capped.plan = lambda: 1
+    spec, stats = generate(target, build_drafter("lookahead", target), prompt, 30, GREEDY, governor=capped)
+    assert spec == plain == uncapped_spec
+    assert uncapped.drafted_tokens > 2 * (uncapped.target_forwards - 1)  # wide when free
+    assert 0 < stats.drafted_tokens <= 2 * (stats.target_forwards - 1)
