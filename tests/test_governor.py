@@ -41,16 +41,22 @@ def test_speculation_that_pays_is_kept():
 
 def test_speculation_that_pays_only_when_short_is_capped():
     plans = run(Governor(), 120, spec_seconds=4.0, spec_tokens=2)  # depth 1 pays (1.25x), depth 2 and 4 lose
-    assert plans[2:8] == [None] * 6 and plans[8:14] == [2] * 6 and plans[14:20] == [1] * 6
-    assert plans[20:].count(1) > 0.6 * len(plans[20:])  # mostly capped at 1, probing deeper now and then
-    assert 0 not in plans[20:] or plans[20:].count(0) < 5
+    # full drafts lose; one token a step was accepted, so the cap goes straight to 1, where it pays
+    assert plans[2:8] == [None] * 6 and plans[8:14] == [1] * 6
+    assert plans[14:].count(1) > 0.6 * len(plans[14:])  # mostly capped at 1, probing deeper now and then
+    assert plans[14:].count(0) < 5
+
+
+def test_a_loss_caps_the_depth_at_what_was_accepted():
+    plans = run(Governor(), 30, spec_seconds=4.0, spec_tokens=3, depth=8)  # 3 tokens for 9 rows' cost: loses
+    assert plans[2:8] == [None] * 6 and plans[8:14] == [2] * 6  # accepted 2 a step: cap 2 (not 8 // 2 = 4)
 
 
 def test_speculation_that_loses_is_shortened_then_rested_then_probed():
     governor = Governor()
     plans = run(governor, 120, spec_seconds=4.0, spec_tokens=1)  # nothing is ever accepted
     caps = [p for p in plans if p not in (None, 0)]
-    assert caps and caps[0] == 2 and 1 in caps  # depth 4 -> 2 -> 1 before resting
+    assert caps and caps[0] == 1  # nothing accepted: straight to one-token drafts, then rest
     rests = [len(list(group)) for key, group in itertools.groupby(plans[2:]) if key == 0]
     assert rests[0] >= 8 and max(rests) > rests[0]  # rests, longer after each further loss
     assert plans.count(0) > 60  # most steps ran plain
@@ -85,3 +91,44 @@ def test_any_plan_is_lossless(name):
     spec, stats = generate(target, build_drafter(name, target, **options), prompt, 40, GREEDY, governor=Scripted())
     assert spec == plain
     assert stats.plain_steps >= 5
+
+
+def test_capped_steps_draft_no_deeper_than_kept():
+    """Under a cap the engine tells the drafter how deep it keeps (depth_limit), and a model-based drafter stops
+    growing there instead of expanding levels that would be trimmed."""
+    target, draft_model = tiny_pair("qwen2:native", seed=5)
+    drafter = build_drafter("draft", target, draft_model=draft_model, depth=4, topk=1)
+    levels = []
+    forward = draft_model.forward
+
+    def counting(cache, input_ids, *args, **kwargs):  # one draft-model forward per expanded level (and the root)
+        levels.append(int(input_ids.shape[0]))
+        return forward(cache, input_ids, *args, **kwargs)
+
+    draft_model.forward = counting
+    prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
+    plain, _ = generate(target, build_drafter("none", target), prompt, 30, GREEDY)
+    capped = Governor()
+    capped.plan = lambda: 1  # every step keeps a one-token draft
+    spec, stats = generate(target, drafter, prompt, 30, GREEDY, governor=capped)
+    assert spec == plain
+    steps = stats.target_forwards - 1
+    assert stats.drafted_tokens <= steps  # nothing deeper than 1 reached the target
+    # one draft-model forward per step (extending to the root); without the limit, 3 more per step expand levels
+    # 2..4 that the engine would trim
+    assert len(levels) <= steps
+
+
+def test_capped_steps_verify_narrow_drafts():
+    """A cap of c levels also bounds the rows: at most 2c draft nodes, even from a wide drafter (lookahead's
+    window and n-gram candidates), and the output stays plain decoding's."""
+    target, _ = tiny_pair("qwen2:native", seed=5)
+    prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
+    plain, _ = generate(target, build_drafter("none", target), prompt, 30, GREEDY)
+    uncapped_spec, uncapped = generate(target, build_drafter("lookahead", target), prompt, 30, GREEDY)
+    capped = Governor()
+    capped.plan = lambda: 1
+    spec, stats = generate(target, build_drafter("lookahead", target), prompt, 30, GREEDY, governor=capped)
+    assert spec == plain == uncapped_spec
+    assert uncapped.drafted_tokens > 2 * (uncapped.target_forwards - 1)  # wide when free
+    assert 0 < stats.drafted_tokens <= 2 * (stats.target_forwards - 1)

@@ -94,6 +94,7 @@ def decode(
             item = next(steps, None)
 
 
+CAPPED_NODES_PER_LEVEL = 2  # under a governor cap of c levels, at most 2c draft nodes
 Step = list[int] | ForwardRequest  # what decode_steps yields: a step's new tokens, or a forward it needs
 
 
@@ -144,14 +145,17 @@ def decode_steps(
 
         t0 = time.perf_counter()
         cap = governor.plan() if governor is not None else None
+        limit = remaining - 1 if cap is None else min(cap, remaining - 1)  # the draft depth this step keeps
         if cap == 0:
             draft = Draft.empty()
             stats.plain_steps += 1
         else:
+            drafter.depth_limit = limit
             draft = drafter.propose(context, params, generator)
             assert len(draft) <= drafter.max_nodes, f"drafter '{drafter.name}' sent {len(draft)} > max_nodes nodes"
-        limit = remaining - 1 if cap is None else min(cap, remaining - 1)
         draft = draft.depth_limited(limit)  # may trim the draft: commit gets the trimmed one
+        if cap:  # the governor's cap bounds the rows as well: a capped step verifies a short, narrow draft
+            draft = draft.first(CAPPED_NODES_PER_LEVEL * cap)
         t1 = time.perf_counter()
         request = tree_request(cache, context[-1], draft, hidden_layers)  # drops or keeps the drafter's entries
         target_logits = yield request  # [N+1, V], sent by the driver

@@ -5,7 +5,7 @@ Speculation pays when the tokens a step yields outweigh what the step costs (dra
 against a one-token step. Both sides change with the text (a copy-heavy passage, a creative one), the machine and
 the load, so the governor measures them while decoding: the rate of recent speculative steps (tokens per second,
 drafting included) against the rate of plain one-token steps. When speculation loses, it first caps the draft's
-depth (shorter drafts cost fewer rows), then rests the drafter (plain steps, no drafting at all) and probes again
+depth to what the window actually got accepted (shorter drafts cost fewer rows), then rests the drafter (plain steps, no drafting at all) and probes again
 with one-token drafts after a pause that doubles while speculation keeps losing; drafts grow back twice as deep
 after every few winning windows. No anchor system does this (llama.cpp has only
 --draft-min); the output never depends on it (every step is verified the same way).
@@ -13,13 +13,14 @@ after every few winning windows. No anchor system does this (llama.cpp has only
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class Governor:
-    margin: float = 0.97  # speculation must reach this share of plain decoding's rate
+    margin: float = 1.0  # speculation must reach this share of plain decoding's rate
     window: int = 6  # speculative steps judged together
     first_rest: int = 8  # plain steps after the first loss; doubles on each further loss
     max_rest: int = 64
@@ -62,6 +63,7 @@ class Governor:
         seconds_sum = sum(s for s, _, _ in self.recent)
         rate = sum(t for _, t, _ in self.recent) / max(seconds_sum, 1e-9)
         deepest = max(d for _, _, d in self.recent)
+        accepted = sum(t - 1 for _, t, _ in self.recent) / len(self.recent)  # mean accepted draft tokens a step
         self.recent.clear()
         if rate >= self.margin * self.plain_rate:
             self.next_rest = self.first_rest
@@ -71,8 +73,8 @@ class Governor:
                 self.wins = 0
             return
         self.wins = 0
-        if deepest > 1:  # losing: shorter drafts first
-            self.cap = max(1, deepest // 2)
+        if deepest > 1:  # losing: shorter drafts first, no deeper than what got accepted
+            self.cap = max(1, min(deepest // 2, math.ceil(accepted)))
             return
         self.rest, self.cap = self.next_rest, 1  # even one drafted token does not pay: rest, then probe short drafts
         self.next_rest = min(2 * self.next_rest, self.max_rest)

@@ -59,6 +59,11 @@ class Draft:
         keep = depths(self.parents) <= max_depth  # [N] bool
         return self if bool(keep.all()) else self.subset(keep.nonzero().flatten())
 
+    def first(self, n: int) -> "Draft":
+        """The first n nodes: a sub-tree (parents come before children), and for every node a prefix of its
+        children in their order, so a draft sampled without replacement stays a valid one."""
+        return self if len(self) <= n else self.subset(torch.arange(n))
+
     def subset(self, nodes: torch.Tensor) -> "Draft":
         """The draft over `nodes` [M] (indices), renumbered in that order; each node's parent is listed before it.
         Exit states stay only for a leading run of nodes (0..M-1): their cache slots are then still in place."""

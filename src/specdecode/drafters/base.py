@@ -13,8 +13,10 @@ The contract, per request (a drafter object serves one request at a time; the se
 - propose(context) returns a Draft of at most max_nodes nodes (the engine asserts it: max_nodes sizes the caches),
   parents before children, draft_probs None (deterministic: the point-mass rule) or the distribution each node
   was drawn from. It must not use the target's scores of this draft: only earlier verdicts and logits.
-- The engine may trim the draft (a depth limit near max_new_tokens); the trimmed draft is what the target scores
-  and what reaches receive_hidden / commit, so commit must accept a draft smaller than the proposal.
+- The engine may trim the draft (a depth limit near max_new_tokens, or the governor's cap); the trimmed draft is
+  what the target scores and what reaches receive_hidden / commit, so commit must accept a draft smaller than the
+  proposal. Before each propose the engine sets depth_limit to the depth it will keep (None: no limit): a drafter
+  whose drafting costs per level may stop there.
 - receive_hidden(states of the root and accepted path), then commit(verdict, draft, target_logits), after every
   verification; the next propose's context ends with the bonus token.
 - Options are the constructor's keyword parameters (build_drafter checks names and kinds against its signature);
@@ -58,6 +60,7 @@ class Drafter(ABC):
     # (runs_sublayers: the native backend)
     needs_sublayers: ClassVar[bool] = False
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
+    depth_limit: int | None = None  # set by the engine before each propose: the draft depth it keeps (None: all)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
     tuned: bool = False  # True when those options came from the tuned profile (set by tune.profile.tuned_drafter)
     sized: bool = False  # True when its size options came from this machine's cost curve (idem)

@@ -60,7 +60,7 @@ class DraftModelDrafter(Drafter):
         cache = self.cache
         cache.truncate(len(context) - 1)  # drop what the target did not accept; keep the shared prefix
         root_logits = prefill(self.model, cache, context[cache.length :])  # [V]
-        draft = self.tree.grow(_CacheExpansion(self.model, cache, len(context)), root_logits, params, generator)
+        draft = self.tree.grow(_CacheExpansion(self.model, cache, len(context)), root_logits, params, generator, self.depth_limit)
         cache.discard()
         return draft
 

@@ -128,7 +128,7 @@ class EagleDrafter(HeadDrafter):
     @torch.inference_mode()
     def propose(self, context, params: SamplingParams, generator):
         root_logits = self.extend_entries(context)  # [V]
-        draft = self.tree.grow(_HeadExpansion(self, len(context)), root_logits, params, generator)
+        draft = self.tree.grow(_HeadExpansion(self, len(context)), root_logits, params, generator, self.depth_limit)
         self.cache.discard()
         return draft
 

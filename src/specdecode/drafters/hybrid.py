@@ -44,7 +44,10 @@ class LookupHybrid(Drafter):
     def propose(self, context, params: SamplingParams, generator) -> Draft:
         match_len, found = self.retrieval.lookup(context)
         self.looked_up = match_len >= self.lookup and len(found) > 0
-        return found if self.looked_up else self.inner.propose(context, params, generator)
+        if self.looked_up:
+            return found
+        self.inner.depth_limit = self.depth_limit
+        return self.inner.propose(context, params, generator)
 
     def receive_hidden(self, hidden) -> None:
         self.inner.receive_hidden(hidden)

@@ -74,10 +74,13 @@ class TreeStrategy:
         """Most nodes one proposal expands (a drafter's cache room for them)."""
         return self.depth * self.width
 
-    def grow(self, expand: Expand, root_logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
-        """One proposal below the root whose next-token logits are root_logits [V]."""
+    def grow(
+        self, expand: Expand, root_logits: torch.Tensor, params: SamplingParams, generator, limit: int | None = None
+    ) -> Draft:
+        """One proposal below the root whose next-token logits are root_logits [V], at most `limit` deep (the depth
+        the engine keeps this step: levels past it would be expanded for nothing)."""
         grow = TreeGrowth(expand, params, self.length)
-        depth = self.length.depth()
+        depth = self.length.depth() if limit is None else max(1, min(self.length.depth(), limit))
         if self.structure == "sequoia":
             return grow.static_tree(root_logits, self.shape, depth, generator)
         if self.structure == "eagle2" and not params.greedy:

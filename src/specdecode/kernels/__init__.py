@@ -12,6 +12,7 @@ differently, and the speed of tree verification is torch's).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import sys
@@ -91,6 +92,10 @@ class Kernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [M, d] float32
         return self.module.rms_norm(x, weight, eps, ISAS.index(self.isa))
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, q, D] float32 (D contiguous), cos/sin [B, q, D] -> rotated [B, H, q, D] contiguous."""
+        return self.module.rotary(x, cos, sin, ISAS.index(self.isa))
+
     def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2n] -> [M, n] float32
         return self.module.glu(gate_up, gelu, ISAS.index(self.isa))
 
@@ -138,9 +143,16 @@ def _compile():
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / digest
+    name = f"specdecode_cpu_{digest}"
+    built = build / f"{name}.so"
+    if built.exists():  # built before: import it, without torch's build lock (and its ninja run) in every process
+        spec = importlib.util.spec_from_file_location(name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     build.mkdir(parents=True, exist_ok=True)
     return load(
-        name=f"specdecode_cpu_{digest}",
+        name=name,
         sources=[str(SOURCE)],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],

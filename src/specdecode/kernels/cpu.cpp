@@ -459,42 +459,68 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// One query row of one head against its visible keys. D must be a multiple of 16.
-template <typename T>
-void attend_row_avx512(const float* query, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
-                       const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
-                       std::vector<float>& scores) {
+// The G query heads that share one KV head (grouped-query attention), one query row, against that row's visible
+// keys; D a multiple of 16. Each key and value is loaded once for all G heads (independent accumulation chains: the
+// work is throughput-bound, not latency-bound). For each head the arithmetic is fixed: a score sums its 16 lanes
+// over D in order then reduces them; the softmax total sums the scores in 16-lane blocks by visible index; each
+// output lane sums p * value over the visible keys in order.
+template <int G, typename T>
+void attend_group_avx512(const float* query, int64_t query_stride, const T* keys, const T* values,
+                         int64_t key_stride, int64_t value_stride, const std::vector<int64_t>& visible, int64_t d,
+                         float scale, float* out, std::vector<float>& scores) {
   const int64_t n = static_cast<int64_t>(visible.size());
-  const int64_t padded = (n + 15) / 16 * 16;
-  scores.assign(padded, -std::numeric_limits<float>::infinity());
-  float best = -std::numeric_limits<float>::infinity();
+  const int64_t padded = (n + 15) / 16 * 16, chunks = d / 16;
+  scores.assign(G * padded, -std::numeric_limits<float>::infinity());  // [G, padded]
+  float best[G];
+  for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     const T* key = keys + visible[j] * key_stride;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + c), load16(key + c), acc);
-    scores[j] = _mm512_reduce_add_ps(acc) * scale;
-    best = std::max(best, scores[j]);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 k = load16(key + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * query_stride + 16 * c), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float s = _mm512_reduce_add_ps(acc[g]) * scale;
+      scores[g * padded + j] = s;
+      best[g] = std::max(best[g], s);
+    }
   }
-  __m512 total = _mm512_setzero_ps();
-  const __m512 shift = _mm512_set1_ps(best);
-  for (int64_t j = 0; j < padded; j += 16) {
-    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), shift)));
-    _mm512_storeu_ps(scores.data() + j, p);
-    total = _mm512_add_ps(total, p);
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {
+    float* row = scores.data() + g * padded;
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(best[g]);
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift)));
+      _mm512_storeu_ps(row + j, p);
+      total = _mm512_add_ps(total, p);
+    }
+    inverse[g] = 1.f / _mm512_reduce_add_ps(total);
   }
-  const float inverse = 1.f / _mm512_reduce_add_ps(total);
-  constexpr int MAX_CHUNKS = 32;  // head_dim <= 512
-  __m512 acc[MAX_CHUNKS];
-  const int64_t chunks = d / 16;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* value = values + visible[j] * value_stride;
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + 16 * c), acc[c]);
+  constexpr int SPAN = G >= 24 ? 1 : 24 / G;  // D chunks per pass: G * SPAN accumulators stay in registers
+  for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
+    const int span = static_cast<int>(std::min<int64_t>(SPAN, chunks - c0));
+    __m512 acc[G][SPAN];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < SPAN; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* value = values + visible[j] * value_stride + 16 * c0;
+      __m512 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * padded + j]);
+      for (int c = 0; c < SPAN; ++c) {
+        if (c >= span) break;
+        const __m512 v = load16(value + 16 * c);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 inv = _mm512_set1_ps(inverse[g]);
+      for (int c = 0; c < span; ++c) _mm512_storeu_ps(out + g * d + 16 * (c0 + c), _mm512_mul_ps(acc[g][c], inv));
+    }
   }
-  const __m512 inv = _mm512_set1_ps(inverse);
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
 }
 
 #pragma GCC pop_options
@@ -535,42 +561,64 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-template <typename T>
-void attend_row_avx2(const float* query, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
-                     const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
-                     std::vector<float>& scores) {
+// attend_group_avx512 with 8 lanes (16 registers: fewer accumulators per pass).
+template <int G, typename T>
+void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, const T* values, int64_t key_stride,
+                       int64_t value_stride, const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
+                       std::vector<float>& scores) {
   const int64_t n = static_cast<int64_t>(visible.size());
-  const int64_t padded = (n + 7) / 8 * 8;
-  scores.assign(padded, -std::numeric_limits<float>::infinity());
-  float best = -std::numeric_limits<float>::infinity();
+  const int64_t padded = (n + 7) / 8 * 8, chunks = d / 8;
+  scores.assign(G * padded, -std::numeric_limits<float>::infinity());  // [G, padded]
+  float best[G];
+  for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     const T* key = keys + visible[j] * key_stride;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), load8(key + c), acc);
-    scores[j] = reduce256(acc) * scale;
-    best = std::max(best, scores[j]);
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 k = load8(key + 8 * c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(query + g * query_stride + 8 * c), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float s = reduce256(acc[g]) * scale;
+      scores[g * padded + j] = s;
+      best[g] = std::max(best[g], s);
+    }
   }
-  __m256 total = _mm256_setzero_ps();
-  const __m256 shift = _mm256_set1_ps(best);
-  for (int64_t j = 0; j < padded; j += 8) {
-    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-    const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + j), shift)));
-    _mm256_storeu_ps(scores.data() + j, p);
-    total = _mm256_add_ps(total, p);
+  float inverse[G];
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int g = 0; g < G; ++g) {
+    float* row = scores.data() + g * padded;
+    __m256 total = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(best[g]);
+    for (int64_t j = 0; j < padded; j += 8) {
+      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), lanes);
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+      const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
+      _mm256_storeu_ps(row + j, p);
+      total = _mm256_add_ps(total, p);
+    }
+    inverse[g] = 1.f / reduce256(total);
   }
-  const float inverse = 1.f / reduce256(total);
-  constexpr int MAX_CHUNKS = 64;
-  __m256 acc[MAX_CHUNKS];
-  const int64_t chunks = d / 8;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* value = values + visible[j] * value_stride;
-    const __m256 p = _mm256_set1_ps(scores[j]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), acc[c]);
+  constexpr int SPAN = G >= 12 ? 1 : 12 / G;
+  for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
+    const int span = static_cast<int>(std::min<int64_t>(SPAN, chunks - c0));
+    __m256 acc[G][SPAN];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < SPAN; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* value = values + visible[j] * value_stride + 8 * c0;
+      for (int c = 0; c < SPAN; ++c) {
+        if (c >= span) break;
+        const __m256 v = load8(value + 8 * c);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * padded + j]), v, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(inverse[g]);
+      for (int c = 0; c < span; ++c) _mm256_storeu_ps(out + g * d + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], inv));
+    }
   }
-  const __m256 inv = _mm256_set1_ps(inverse);
-  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
 }
 
 #pragma GCC pop_options
@@ -602,6 +650,27 @@ void attend_row_scalar(const float* query, const T* keys, const T* values, int64
   for (int64_t c = 0; c < d; ++c) out[c] *= 1.f / total;
 }
 
+constexpr int MAX_GROUP = 8;  // query heads per kernel call (more are split)
+template <typename T>
+using GroupFn = void (*)(const float*, int64_t, const T*, const T*, int64_t, int64_t, const std::vector<int64_t>&,
+                         int64_t, float, float*, std::vector<float>&);
+
+template <typename T>
+GroupFn<T> group_avx512(int heads) {
+  static const GroupFn<T> table[] = {nullptr, attend_group_avx512<1, T>, attend_group_avx512<2, T>,
+                                     attend_group_avx512<3, T>, attend_group_avx512<4, T>, attend_group_avx512<5, T>,
+                                     attend_group_avx512<6, T>, attend_group_avx512<7, T>, attend_group_avx512<8, T>};
+  return table[heads];
+}
+
+template <typename T>
+GroupFn<T> group_avx2(int heads) {
+  static const GroupFn<T> table[] = {nullptr, attend_group_avx2<1, T>, attend_group_avx2<2, T>,
+                                     attend_group_avx2<3, T>, attend_group_avx2<4, T>, attend_group_avx2<5, T>,
+                                     attend_group_avx2<6, T>, attend_group_avx2<7, T>, attend_group_avx2<8, T>};
+  return table[heads];
+}
+
 template <typename T>
 void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
@@ -630,16 +699,21 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
       }
       const T* head_keys = key_data + b * ks[0] + h * ks[1];
       const T* head_values = value_data + b * vs[0] + h * vs[1];
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
+      for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+        const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, group - g0));
+        const int64_t head = h * group + g0;
         const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
         float* o = out_data + ((b * q + i) * hq + head) * d;
         if (isa == AVX512 && d % 16 == 0)
-          attend_row_avx512(query, head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o, scores);
+          group_avx512<T>(heads)(query, qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o,
+                                 scores);
         else if (isa >= AVX2 && d % 8 == 0)
-          attend_row_avx2(query, head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o, scores);
+          group_avx2<T>(heads)(query, qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o,
+                               scores);
         else
-          attend_row_scalar(query, head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o, scores);
+          for (int g = 0; g < heads; ++g)
+            attend_row_scalar(query + g * qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale),
+                              o + g * d, scores);
       }
     }
   });
@@ -720,6 +794,20 @@ void glu_row_avx2(const float* gate, const float* up, int64_t n, bool gelu, floa
   }
 }
 
+// Rotary embedding of one head row, halves layout: out[c] = x[c] cos[c] + rot[c] sin[c], rot = (-x[h:], x[:h]),
+// computed as fma(x, cos, rot * sin) in every path.
+void rotary_row_avx2(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t c = 0; c < half; c += 8) {
+    const __m256 lo = _mm256_loadu_ps(x + c), hi = _mm256_loadu_ps(x + half + c);
+    _mm256_storeu_ps(out + c, _mm256_fmadd_ps(lo, _mm256_loadu_ps(cos + c),
+                                              _mm256_mul_ps(_mm256_xor_ps(hi, sign), _mm256_loadu_ps(sin + c))));
+    _mm256_storeu_ps(out + half + c, _mm256_fmadd_ps(hi, _mm256_loadu_ps(cos + half + c),
+                                                     _mm256_mul_ps(lo, _mm256_loadu_ps(sin + half + c))));
+  }
+}
+
 #pragma GCC pop_options
 
 void rms_norm_row_scalar(const float* x, const float* weight, int64_t d, float eps, float* out) {
@@ -734,6 +822,14 @@ void glu_row_scalar(const float* gate, const float* up, int64_t n, bool gelu, fl
     const float g = gate[c];
     const float z = gelu ? 1.5957691216057308f * std::fma(g * g * g, 0.044715f, g) : g;
     out[c] = g / (1.f + std::exp(-z)) * up[c];
+  }
+}
+
+void rotary_row_scalar(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t c = 0; c < half; ++c) {
+    out[c] = std::fma(x[c], cos[c], -x[half + c] * sin[c]);
+    out[half + c] = std::fma(x[half + c], cos[half + c], x[c] * sin[half + c]);
   }
 }
 
@@ -755,6 +851,35 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_
         rms_norm_row_avx2(row, w, d, static_cast<float>(eps), o);
       else
         rms_norm_row_scalar(row, w, d, static_cast<float>(eps), o);
+    }
+  });
+  return out;
+}
+
+// x [B, H, q, D] float32 (D contiguous), cos/sin [B, q, D] float32 contiguous -> rotated [B, H, q, D] contiguous.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t isa) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat32 && x.stride(3) == 1, "x must be [B, H, q, D] float32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32 && cos.numel() == x.size(0) * x.size(2) * x.size(3) &&
+                  sin.numel() == cos.numel(),
+              "cos/sin must be [B, q, D] float32");
+  const int64_t b = x.size(0), h = x.size(1), q = x.size(2), d = x.size(3);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  auto out = torch::empty({b, h, q, d}, x.options());
+  const auto xs = x.strides();
+  const float* xd = x.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = sin.data_ptr<float>();
+  at::parallel_for(0, b * h * q, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bi = item / (h * q), hi = (item / q) % h, i = item % q;
+      const float* row = xd + bi * xs[0] + hi * xs[1] + i * xs[2];
+      const int64_t at = (bi * q + i) * d;
+      if (isa >= AVX2 && d % 16 == 0)
+        rotary_row_avx2(row, cd + at, sd + at, d, od + item * d);
+      else
+        rotary_row_scalar(row, cd + at, sd + at, d, od + item * d);
     }
   });
   return out;
@@ -782,6 +907,7 @@ torch::Tensor glu(torch::Tensor gate_up, bool gelu, int64_t isa) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm per row, rows independent");
+  m.def("rotary", &rotary, "rotary embedding per head row, rows independent");
   m.def("glu", &glu, "act(gate) * up per row, rows independent");
   m.def("quant_linear", &quant_linear, "int4/int8 weights x int8 activations, rows independent");
   m.def("tree_attention", &tree_attention, "attention over each row's visible keys, rows independent");

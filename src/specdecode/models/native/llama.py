@@ -21,7 +21,7 @@ from ..base import (
 )
 from .linear import Linear
 from .weights import PreparedWeights
-from .ops import RotaryTable, apply_rotary, inverse_frequencies, row_ops
+from .ops import RotaryTable, inverse_frequencies, row_ops
 
 
 @dataclass
@@ -210,7 +210,7 @@ class LlamaModel(CausalLM):
         hq, hkv = self.n_heads, self.n_kv_heads
         qkv = block.qkv(self.ops.rms_norm(hidden, block.attn_norm, self.eps))  # [B*q, (Hq + 2 Hkv) D]
         heads = qkv.view(b, -1, hq + 2 * hkv, self.head_dim).transpose(1, 2)  # [B, Hq + 2 Hkv, q, D]
-        rotated = apply_rotary(self._qk_norm(block, heads[:, : hq + hkv]), cos, sin)  # queries and keys at once
+        rotated = self.ops.rotary(self._qk_norm(block, heads[:, : hq + hkv]), cos, sin)  # queries and keys at once
         queries, keys, values = rotated[:, :hq], rotated[:, hq:], heads[:, hq + hkv :]
         return block.out(self.ops.attend(kv, layer, queries, keys, values, mask, self.scale))  # [B*q, d]
 

@@ -52,6 +52,9 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d]
         return F.rms_norm(x, weight.shape, weight, eps)
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, H, q, D]
+        return apply_rotary(x, cos, sin)
+
     def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2I] -> [M, I]
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
@@ -82,6 +85,10 @@ class ExactOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d]
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         return self.kernels.rms_norm(rows, weight.float().contiguous(), eps).view(x.shape)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, H, q, D]
+        """cos, sin [B, 1, q, D] (a RotaryTable's rows)."""
+        return self.kernels.rotary(x, cos[:, 0].contiguous(), sin[:, 0].contiguous())
 
     def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2I] -> [M, I]
         return self.kernels.glu(gate_up.contiguous(), gelu)
