@@ -7,7 +7,8 @@ level runs the drafting network on the newest token at its position with CausalL
 the committed context and to the earlier draft tokens' entries, which stay uncommitted after the committed ones
 (never touching them). After every drafted token the length policy (draft_length.py: `adaptive` for Draft & Verify,
 `confidence` for Kangaroo's second early exit, `thompson` for EESD) decides from that token's draft probability
-whether to draft another; `depth` is the cap. The engine then drops the drafter's cache entries, or keeps those of
+whether to draft another; `depth` is the cap (and the depth the engine keeps this step, depth_limit). The engine
+then drops the drafter's cache entries, or keeps those of
 the layers below an exit layer when the draft carries their states (Draft.exit_states).
 
 Greedy chains are deterministic (draft_probs None); under sampling each token is drawn from the warped draft
@@ -55,6 +56,8 @@ class SelfDrafter(Drafter):
         logits = self.next_logits(context[-1], root)  # [V]
         tokens, rows = [], []
         depth = self.length.depth()
+        if self.depth_limit is not None:  # the engine keeps no deeper draft this step
+            depth = max(1, min(depth, self.depth_limit))
         for level in range(1, depth + 1):
             token, row, confidence = pick(logits, params, generator)
             tokens.append(token)

@@ -5,8 +5,8 @@ head learns the target's own continuations, as EAGLE-3 and Medusa-2 do) or the d
 regeneration is off. Each sequence is then run through the target once, reading its hidden states (the forward's
 HiddenStates): the last layer's output after the final norm ("last"; every kind needs it: EAGLE-1's and Medusa's
 input, and the target distribution of every loss) and, for EAGLE-3, the fused inputs of its three layers
-("fused"; for the exit heads of Kangaroo and EESD: the input of their exit layer). A shard holds many sequences back to back; manifest.json lists the shards, so an interrupted
-extraction resumes at the next shard."""
+("fused"; for the exit heads of Kangaroo and EESD: the input of their exit layer). A shard holds many sequences
+back to back; manifest.json lists the shards, so an interrupted extraction resumes at the next shard."""
 
 from __future__ import annotations
 

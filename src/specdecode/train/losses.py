@@ -11,9 +11,11 @@ mask no valid row ever sees a padded one).
   is in it, weighted 0.8^j.
 - medusa (Medusa-1): head k's cross-entropy on the token k+2 places ahead, weighted 0.8^k.
 - kangaroo, eesd (exit heads): from the target's states entering the exit layer, causally over the sequence,
-  predict the target's next-token distribution at each answer position: the cross-entropy of the target's
-  distribution (its final feature through its LM head) against the head's, both over the draft vocabulary's rows
-  of the frozen LM head (Kangaroo's soft-label loss; EESD's self-distillation on the target's own answers).
+  predict the target's next-token distribution at every position: the cross-entropy of the target's distribution
+  (its final feature through its LM head) against the head's, both over the draft vocabulary's rows of the frozen
+  LM head (Kangaroo's soft-label loss; EESD's self-distillation on the target's own answers). The prompt's
+  positions count too: their labels are the target's own distributions as well, twice the data for one
+  extraction (accuracy is reported on the answers).
 
 Frozen target tensors (embedding, LM head) come in `frozen`; nothing of the target is trained."""
 
@@ -113,9 +115,10 @@ def exit_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[torc
     with torch.no_grad():
         target_logits = last @ draft_head.T  # [B, T, Vd]
     logits = outputs @ draft_head.T
-    rows = F.pad(valid[:, 1:], (0, 1))  # row t predicts token t+1: an answer token
-    loss = masked_mean(soft_cross_entropy(target_logits, logits), rows)
-    accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), rows)
+    every = F.pad(batch["real"][:, 1:], (0, 1))  # row t predicts token t+1 (a real one)
+    answers = F.pad(valid[:, 1:], (0, 1))  # ... an answer token
+    loss = masked_mean(soft_cross_entropy(target_logits, logits), every)
+    accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), answers)
     return loss, {"acc": float(accuracy)}
 
 

@@ -298,14 +298,16 @@ def decoding_target(kind: str, target):
 
 
 def make_batches(sequences: list[dict], size: int) -> list[dict]:
-    """Sequences of similar length padded (right) into batches: ids [B, T], last [B, T, d], fused, valid [B, T]."""
+    """Sequences of similar length padded (right) into batches: ids [B, T], last [B, T, d], fused, valid [B, T] (the
+    answer tokens), real [B, T] (every token, padding excluded)."""
     ordered = sorted(sequences, key=lambda s: s["ids"].shape[0])
     batches = []
     for first in range(0, len(ordered), size):
         group = ordered[first : first + size]
         width = max(s["ids"].shape[0] for s in group)
         batch = {"ids": torch.zeros(len(group), width, dtype=torch.long),
-                 "valid": torch.zeros(len(group), width, dtype=torch.bool)}
+                 "valid": torch.zeros(len(group), width, dtype=torch.bool),
+                 "real": torch.zeros(len(group), width, dtype=torch.bool)}
         for key in ("last", "fused"):
             if key in group[0]:
                 batch[key] = torch.zeros(len(group), width, group[0][key].shape[-1], dtype=group[0][key].dtype)
@@ -313,6 +315,7 @@ def make_batches(sequences: list[dict], size: int) -> list[dict]:
             n = seq["ids"].shape[0]
             batch["ids"][row, :n] = seq["ids"]
             batch["valid"][row, seq["prompt_len"] : n] = True
+            batch["real"][row, :n] = True
             for key in ("last", "fused"):
                 if key in seq:
                     batch[key][row, :n] = seq[key]

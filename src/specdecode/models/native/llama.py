@@ -184,10 +184,10 @@ class LlamaModel(CausalLM):
         for layer in run:
             if layer in layers:
                 captured.append(hidden.clone())  # a copy: a layer may update the residual stream in place
-            kind = self.layer_kinds[layer]
+            kind, block = self.layer_kinds[layer], self.blocks[layer]
             attention = skip is None or layer not in skip.skip_attention
             mlp = skip is None or layer not in skip.skip_mlp
-            hidden = self._layer(self.blocks[layer], layer, kv, hidden, b, *rotations[kind], masks[kind], attention, mlp)
+            hidden = self._layer(block, layer, kv, hidden, b, *rotations[kind], masks[kind], attention, mlp)
         if run.stop in layers:
             captured.append(hidden.clone())
         return hidden, captured
