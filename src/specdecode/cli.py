@@ -350,6 +350,8 @@ def cmd_tune(args) -> int:
     target = load_model(args.model, args.dtype, args.backend, args.quant)
     draft_quant = args.quant if args.draft_quant is None else args.draft_quant
     draft_model = load_model(args.draft_model, args.dtype, args.backend, draft_quant) if args.draft_model else None
+    if not args.drafters:  # every drafter: those that cannot run here (no trained head, this backend) are skipped
+        names = [name for name in names if _runs_here(name, target, draft_model)]
     profile = run_tune(target, names, tune_prompts(target.tokenizer, args.prompts), draft_model,
                        args.max_new_tokens, args.max_tokens, args.repeats, args.search_trials)
     for name, entry in profile["drafters"].items():
@@ -358,6 +360,17 @@ def cmd_tune(args) -> int:
     print(f"profile saved to {save_profile(target, profile)} (used when no drafter options are given; "
           "-o profile=none skips it)")
     return 0
+
+
+def _runs_here(name: str, target, draft_model) -> bool:
+    from .drafters import DRAFTERS, build_drafter
+
+    try:
+        build_drafter(name, target, draft_model if DRAFTERS[name].needs_draft_model else None)
+    except SpecDecodeError as exc:
+        print(f"skipping {name}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def cmd_cost(args) -> int:

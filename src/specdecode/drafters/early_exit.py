@@ -110,7 +110,7 @@ class KangarooDrafter(ExitDrafter):
 @register("eesd")
 class EESDDrafter(ExitDrafter):
     kind = "eesd"
-    variants = ({}, {"depth": 3, "length": "fixed"})
+    variants = ({},)  # the chain and head code is kangaroo's; this covers its head and the Thompson length
     tune_grid = ({"depth": 4}, {"depth": 10}, {"length": "confidence", "threshold": 0.4})
 
     def __init__(self, target, draft_model=None, depth: int = 6, length: str = "thompson", threshold: float = 0.4):

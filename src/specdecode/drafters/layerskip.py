@@ -50,11 +50,7 @@ def skip_text(layers) -> str:
 
 @register("layerskip")
 class LayerSkipDrafter(SelfDrafter):
-    variants = (
-        {},
-        {"skip_attn": "0", "skip_mlp": "none", "depth": 4, "length": "fixed"},
-        {"skip_attn": "none", "skip_mlp": "0", "threshold": 0.0, "depth": 3},
-    )
+    variants = ({}, {"skip_attn": "0", "skip_mlp": "none", "depth": 3, "length": "fixed"})
     tune_grid = ({"threshold": 0.6}, {"depth": 4}, {"depth": 12, "threshold": 0.6})
 
     def __init__(self, target, skip_attn: str = "auto", skip_mlp: str = "auto", depth: int = 8,

@@ -47,14 +47,19 @@ def search_candidates(target, name: str, draft_model, prompts, max_new_tokens: i
     scores a candidate: estimated tokens per second on these prompts."""
     if trials <= 0:
         return []
-    with tqdm(desc=f"{name} search", unit="generation") as bar:
+    bars = []  # one progress bar, opened by the first evaluation (most drafters search nothing)
 
-        def score(options: dict) -> float:
-            measured = measure_drafter(target, name, options, draft_model, prompts, max_new_tokens, bar)
-            bar.set_postfix_str(f"{options}: {tokens_per_second(measured, curve):.1f} tokens/s")
-            return tokens_per_second(measured, curve)
+    def score(options: dict) -> float:
+        bars or bars.append(tqdm(desc=f"{name} search", unit="generation"))
+        measured = measure_drafter(target, name, options, draft_model, prompts, max_new_tokens, bars[0])
+        bars[0].set_postfix_str(f"{options}: {tokens_per_second(measured, curve):.1f} tokens/s")
+        return tokens_per_second(measured, curve)
 
+    try:
         return DRAFTERS[name].search(target, score, trials)
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def verify_curve(
