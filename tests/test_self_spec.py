@@ -251,3 +251,21 @@ def test_server_batches_self_speculative_requests_and_each_gets_its_answer_alone
     scheduler = Scheduler(target, max_batch=3)
     assert run_jobs(scheduler, jobs) == expected
     assert scheduler.active == 0 and scheduler.pool.keys is None
+
+
+def test_an_untrained_exit_head_at_the_last_layer_is_the_target_itself(tmp_path):
+    """The exit loss pairs each position's head output with the target's distribution at that position: a fresh
+    head (zero output projections, the target's final norm) exiting after the last layer predicts exactly it."""
+    from specdecode.heads.target import new_head
+    from specdecode.train.extract import FeatureStore
+    from specdecode.train.losses import exit_loss
+    from specdecode.train.trainer import frozen_tensors, make_batches
+
+    target = tiny_model("llama", seed=1)
+    store = FeatureStore(tmp_path)
+    store.extract(target, greedy_sequences(target, 4), [target.n_layers], True, {"test": "alignment"})
+    for kind in ("kangaroo", "eesd"):
+        head = new_head(kind, target, feature_layers=[target.n_layers])
+        batch = make_batches(store.load(), 4)[0]
+        loss, metrics = exit_loss(head, batch, frozen_tensors(kind, target, head), train=False)
+        assert metrics["acc"] == 1.0
