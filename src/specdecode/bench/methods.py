@@ -44,12 +44,16 @@ class EngineMethod(Method):
         self.label, self.target, self.make_drafter = label, target, make_drafter
         self.drafter = make_drafter()
         self.governed = governed and self.drafter.max_nodes > 0  # as the API runs it: plain steps where drafting loses
+        self.governor: Governor | None = None
 
     def new_repeat(self) -> None:
         self.drafter = self.make_drafter()  # suffix's and hierarchy's trees of earlier answers start empty again
+        self.governor = None
 
     def run(self, prompt_ids, max_new_tokens, params):
-        governor = Governor() if self.governed else None
+        if self.governed:  # carried from one generation to the next, as the API does
+            self.governor = self.governor.for_next_request() if self.governor else Governor()
+        governor = self.governor if self.governed else None
         tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params, governor=governor)
         record = stats.as_dict()
         record["token_ids"] = tokens
