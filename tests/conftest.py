@@ -23,7 +23,7 @@ class TinyTokenizer:
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.chat_template = None
+        self.chat_template = "stand-in"  # apply_chat_template below
 
     def get_vocab(self) -> dict[str, int]:
         return {f"t{i}": i for i in range(self.vocab_size)}
@@ -223,6 +223,7 @@ _QUICK_HEADS: dict = {}
 def quick_head(target, kind: str, folder):
     """A head trained for a few seconds on the target's greedy continuations (cached per target and kind): tiny
     models get heads whose drafts are sometimes accepted, so the lossless checks exercise accepted paths."""
+    from specdecode.heads.layer import LAYER_STATE_KINDS
     from specdecode.heads.target import feature_layers
     from specdecode.train.extract import FeatureStore
     from specdecode.train.trainer import Budget, TrainingRun, initial_head
@@ -233,8 +234,9 @@ def quick_head(target, kind: str, folder):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("SPECDECODE_CACHE", str(folder / "cache"))  # the trainer publishes its head there
             store = FeatureStore(folder / "features")
-            layers = feature_layers(kind, target) if kind == "eagle3" else []
-            store.extract(target, greedy_sequences(target, 16), layers, kind == "eagle3", {"kind": kind})
+            fused = kind in LAYER_STATE_KINDS
+            layers = feature_layers(kind, target) if fused else []
+            store.extract(target, greedy_sequences(target, 16), layers, fused, {"kind": kind})
             sequences = store.load()
             budget = Budget(epochs=6, draft_vocab=target.vocab_size // 2, ttt_steps=2, medusa_heads=3, lr=3e-3,
                             warmup=2, batch=4, held_out=0)
@@ -246,9 +248,9 @@ def quick_head(target, kind: str, folder):
 
 @pytest.fixture(autouse=True)
 def quick_heads(monkeypatch, tmp_path_factory):
-    """Head drafters (eagle, eagle3, medusa) built without a head folder, when no trained head is cached for the
-    target, get a quickly trained head on tiny models (EAGLE-3's draft vocabulary: half the target's, so d2t is
-    exercised) and a random one on real models (enough for losslessness)."""
+    """Head drafters (eagle, eagle3, medusa, kangaroo, eesd) built without a head folder, when no trained head is
+    cached for the target, get a quickly trained head on tiny models (EAGLE-3's and the exit heads' draft vocabulary:
+    half the target's, so the mapping is exercised) and a random one on real models (enough for losslessness)."""
     from specdecode.drafters import eagle
     from specdecode.heads.store import cache_dir
     from specdecode.heads.target import new_head

@@ -47,6 +47,8 @@ def test_draft_vocabulary_is_the_most_frequent_answer_tokens_and_d2t_maps_back(t
                  {"ids": torch.tensor([9, 3, 3, 5]), "prompt_len": 1}]
     chosen = draft_vocabulary(sequences, 3, 64)  # answers: 9 x3, 5 x3, 3 x2, 7 x1 (prompt tokens 1, 2, 9 ignored)
     assert chosen.tolist() == [3, 5, 9]
+    assert draft_vocabulary(sequences, 6, 64).tolist() == [1, 2, 3, 5, 7, 9]  # then prompt tokens (1, 2)
+    assert draft_vocabulary(sequences, 7, 64).tolist() == [0, 1, 2, 3, 5, 7, 9]  # then the lowest unused id
     head = new_head("eagle3", target, draft_vocab_size=3)
     head.set_vocabulary(chosen)
     assert head.target_ids().tolist() == [3, 5, 9]
@@ -96,7 +98,7 @@ def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
     assert [h["epoch"] for h in run.run(PROMPTS[:1])["history"]] == [1, 2]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "kangaroo", "eesd"])
 def test_head_folder_loads_back_bit_identically(target, tmp_path, kind):
     head = new_head(kind, target, seed=3, draft_vocab_size=20)
     loaded = load_head(save_head(head, tmp_path / kind), kind)

@@ -56,6 +56,8 @@ PROMPTS = [
 @pytest.mark.parametrize("name,variant", CASES, ids=IDS)
 def test_tiny_models_greedy_identical_to_plain(request, target_spec, name, variant):
     target, draft_model = pair_for(request, name)
+    if DRAFTERS[name].needs_sublayers and not target.runs_sublayers:
+        pytest.skip("self-speculation runs a part of the target: native backend only (test_self_spec: the error)")
     accepted = 0
     for prompt in PROMPTS:
         plain, plain_stats = generate(target, build_drafter("none", target), prompt, 40, GREEDY)

@@ -60,3 +60,14 @@ def test_rank_template_is_parents_first_within_the_rank_budget():
     paths = rank_template((2, 2, 1), 1)
     assert paths == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]
     assert all(p[:-1] in paths or len(p) == 1 for p in paths)
+
+
+def test_prompts_for_a_base_model_are_its_plain_text():
+    """Training, tuning and benchmark prompts for a model without a chat template (Gemma 3 270M): the turns' text."""
+    from conftest import TARGET_TEXTS, bpe_tokenizer
+    from specdecode.text import prompt_ids
+
+    tokenizer = bpe_tokenizer(TARGET_TEXTS, 64)
+    assert not tokenizer.chat_template
+    messages = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}]
+    assert prompt_ids(tokenizer, messages) == tokenizer("the cat\n\nsat\n\n")["input_ids"]

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-new-tokens", type=int, default=48, help="tokens per tuning prompt and option set")
     tune.add_argument("--max-tokens", type=int, default=64, help="measure verify cost for 1..N scored tokens")
     tune.add_argument("--repeats", type=int, default=3, help="timed forwards per size (the fastest counts)")
+    tune.add_argument("--search-trials", type=int, default=40,
+                      help="evaluations of a drafter's own option search (layerskip's skip set); 0 = none")
     tune.set_defaults(run=cmd_tune)
 
     cost = sub.add_parser("cost", help="this CPU, the kernels chosen, and a target forward's cost per scored rows")
@@ -334,8 +336,9 @@ def cmd_tune(args) -> int:
     from .tune.measure import run_tune, tune_prompts
     from .tune.profile import save_profile
 
-    if min(args.max_new_tokens, args.max_tokens, args.repeats) <= 0 or args.prompts < 0:
-        raise SpecDecodeError("max-new-tokens, max-tokens and repeats must be > 0, prompts >= 0.", "Fix the numbers.")
+    if min(args.max_new_tokens, args.max_tokens, args.repeats) <= 0 or min(args.prompts, args.search_trials) < 0:
+        raise SpecDecodeError("max-new-tokens, max-tokens and repeats must be > 0, prompts and search-trials >= 0.",
+                              "Fix the numbers.")
     names = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else sorted(DRAFTERS)
     for name in names:
         check_drafter_name(name)
@@ -347,14 +350,27 @@ def cmd_tune(args) -> int:
     target = load_model(args.model, args.dtype, args.backend, args.quant)
     draft_quant = args.quant if args.draft_quant is None else args.draft_quant
     draft_model = load_model(args.draft_model, args.dtype, args.backend, draft_quant) if args.draft_model else None
+    if not args.drafters:  # every drafter: those that cannot run here (no trained head, this backend) are skipped
+        names = [name for name in names if _runs_here(name, target, draft_model)]
     profile = run_tune(target, names, tune_prompts(target.tokenizer, args.prompts), draft_model,
-                       args.max_new_tokens, args.max_tokens, args.repeats)
+                       args.max_new_tokens, args.max_tokens, args.repeats, args.search_trials)
     for name, entry in profile["drafters"].items():
         options = " ".join(f"{k}={v}" for k, v in entry["options"].items()) or "(defaults)"
         print(f"{name:12} {options:50} estimated {entry['estimated_speedup']:.2f}x plain decoding")
     print(f"profile saved to {save_profile(target, profile)} (used when no drafter options are given; "
           "-o profile=none skips it)")
     return 0
+
+
+def _runs_here(name: str, target, draft_model) -> bool:
+    from .drafters import DRAFTERS, build_drafter
+
+    try:
+        build_drafter(name, target, draft_model if DRAFTERS[name].needs_draft_model else None)
+    except SpecDecodeError as exc:
+        print(f"skipping {name}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def cmd_cost(args) -> int:

@@ -123,6 +123,7 @@ def decode_steps(
     start = time.perf_counter()
 
     cache = target.new_cache(capacity)
+    drafter.use_target_cache(cache)
     drafter.start(list(prompt_ids), capacity)
     hidden_layers = tuple(drafter.hidden_layers)
     prompt_hidden = HiddenStates(hidden_layers) if hidden_layers else None
@@ -156,7 +157,7 @@ def decode_steps(
         if cap:  # the governor's cap bounds the rows as well: a capped step verifies a short, narrow draft
             draft = draft.first(CAPPED_NODES_PER_LEVEL * cap)
         t1 = time.perf_counter()
-        request = tree_request(cache, context[-1], draft, hidden_layers)
+        request = tree_request(cache, context[-1], draft, hidden_layers)  # drops or keeps the drafter's entries
         target_logits = yield request  # [N+1, V], sent by the driver
         verdict = verifier.verify(draft, target_logits, params, generator)
         kept = [0] + [i + 1 for i in verdict.accepted]  # root + accepted path

@@ -19,6 +19,6 @@ class OptionError(SpecDecodeError):
     """A drafter option whose value the drafter cannot take (raised by constructors; build_drafter adds the
     drafter's name)."""
 
-    def __init__(self, need: str):
-        super().__init__(f"bad option value: {need}.", "Fix the value given with -o KEY=VALUE.")
+    def __init__(self, need: str, fix: str = "Fix the value given with -o KEY=VALUE."):
+        super().__init__(f"bad option value: {need}.", fix)
         self.need = need

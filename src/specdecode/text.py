@@ -9,6 +9,16 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """chat_prompt_ids where the tokenizer has a chat template; for a base model (Gemma 3 270M ships without one)
+    the turns' text, blank-line separated, for it to continue. For prompts the tools make (training, tuning,
+    benchmark questions); a user's --chat on a base model is refused instead (api)."""
+    if getattr(tokenizer, "chat_template", None):
+        return chat_prompt_ids(tokenizer, messages)
+    text = "\n\n".join(message["content"] for message in messages) + "\n\n"
+    return list(tokenizer(text)["input_ids"])
+
+
 class TextAssembler:
     """Feed token ids step by step; get back the text that is final.
 

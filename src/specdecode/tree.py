@@ -24,6 +24,12 @@ class Draft:
     draft_probs: torch.Tensor | None = None
     # [H]: the input embedding of every PROBE node (probing the target in embedding space, as ESP does).
     probe_embedding: torch.Tensor | None = None
+    # Self-speculation (Kangaroo, EESD): [N+1, H] the target's residual stream entering decoder layer `exit_layer`
+    # for the root and every node, which the drafter computed by running the target's first layers itself over the
+    # target's KV cache, leaving those layers' entries uncommitted in slots root, node 0, ... N-1. Verification
+    # then runs only the layers from exit_layer on, over the same slots (models.base.tree_request).
+    exit_states: torch.Tensor | None = None
+    exit_layer: int = 0
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -33,6 +39,8 @@ class Draft:
             raise ValueError("every parent index must precede its child")
         if self.draft_probs is not None and self.draft_probs.shape[0] != n:
             raise ValueError("draft_probs needs one row per draft token")
+        if self.exit_states is not None and self.exit_states.shape[0] != n + 1:
+            raise ValueError("exit_states needs one row for the root and one per draft token")
 
     @staticmethod
     def empty() -> "Draft":
@@ -57,12 +65,15 @@ class Draft:
         return self if len(self) <= n else self.subset(torch.arange(n))
 
     def subset(self, nodes: torch.Tensor) -> "Draft":
-        """The draft over `nodes` [M] (indices), renumbered in that order; each node's parent is listed before it."""
+        """The draft over `nodes` [M] (indices), renumbered in that order; each node's parent is listed before it.
+        Exit states stay only for a leading run of nodes (0..M-1): their cache slots are then still in place."""
         new_index = torch.full((len(self) + 1,), -1, dtype=torch.long)  # slot 0 = root
         new_index[nodes + 1] = torch.arange(nodes.shape[0])
         parents = new_index[self.parents[nodes] + 1]
         probs = None if self.draft_probs is None else self.draft_probs[nodes]
-        return Draft(self.tokens[nodes], parents, probs, self.probe_embedding)
+        leading = torch.equal(nodes, torch.arange(nodes.shape[0]))
+        states = self.exit_states[: nodes.shape[0] + 1] if self.exit_states is not None and leading else None
+        return Draft(self.tokens[nodes], parents, probs, self.probe_embedding, states, self.exit_layer if leading else 0)
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:

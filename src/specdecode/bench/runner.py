@@ -16,7 +16,7 @@ from tqdm import tqdm
 from ..errors import SpecDecodeError
 from ..models.loading import check_load_options, load_model, parse_weights
 from ..sampling import SamplingParams
-from ..text import chat_prompt_ids
+from ..text import prompt_ids
 from .methods import Method, build_method
 from .metrics import BASELINE
 from .questions import Question
@@ -137,13 +137,14 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
 
 
 def _prompt_ids(target, question: Question, turn: int, own_answers: list[list[int]]) -> list[int]:
-    """The chat prompt for `turn`; earlier turns carry the method's own earlier answers (as Spec-Bench does)."""
+    """The chat prompt for `turn` (plain text for a base model); earlier turns carry the method's own earlier
+    answers (as Spec-Bench does)."""
     messages = []
     for t in range(turn + 1):
         messages.append({"role": "user", "content": question.turns[t]})
         if t < turn:
             messages.append({"role": "assistant", "content": target.tokenizer.decode(own_answers[t], skip_special_tokens=True)})
-    return chat_prompt_ids(target.tokenizer, messages)
+    return prompt_ids(target.tokenizer, messages)
 
 
 def _seed(config: BenchConfig, q: Question, turn: int, repeat: int) -> int:
@@ -151,7 +152,7 @@ def _seed(config: BenchConfig, q: Question, turn: int, repeat: int) -> int:
 
 
 def _warm_up(target, methods: list[Method], config: BenchConfig) -> None:
-    prompt = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
+    prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": WARMUP_PROMPT}])
     for method in tqdm(methods, desc="warm-up", unit="method", leave=False):
         method.run(prompt, 8, SamplingParams(config.temperature, config.top_k, config.top_p, seed=0))
 

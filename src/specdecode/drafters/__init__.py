@@ -1,8 +1,8 @@
 """Drafters: importing this package registers every method (one module each)."""
 
 from . import (  # noqa: F401  (registration side effect)
-    draft_model, eagle, esp, goose, hierarchy, jacobi, lookahead, medusa, none, pld, slem, slrs, suffix, tli,
-    token_recycling,
+    draft_model, eagle, early_exit, esp, goose, hierarchy, jacobi, layerskip, lookahead, medusa, none, pld, slem,
+    slrs, suffix, tli, token_recycling,
 )
 from .base import DRAFTERS, Drafter, build_drafter, register
 

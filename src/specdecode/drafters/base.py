@@ -4,7 +4,12 @@ A drafter proposes a token tree below the last committed token; the engine verif
 tells the drafter what was accepted. A new method is one file with a class decorated by @register("name").
 
 The contract, per request (a drafter object serves one request at a time; the server builds one per request):
-- start(prompt_ids, capacity) once; then, if hidden_layers is set, receive_hidden with the prompt's states.
+- use_target_cache(cache) with the target's KV cache of this request, then start(prompt_ids, capacity) once; then,
+  if hidden_layers is set, receive_hidden with the prompt's states.
+- A self-speculative drafter (needs_sublayers) may run a part of the target over that cache during propose
+  (CausalLM.forward_sublayers): its entries stay uncommitted after the committed ones, which it never touches. The
+  engine drops them before verification, unless the draft carries their states (Draft.exit_states): then the
+  verification resumes from the drafter's exit layer over those slots, and the accepted path's entries are kept.
 - propose(context) returns a Draft of at most max_nodes nodes (the engine asserts it: max_nodes sizes the caches),
   parents before children, draft_probs None (deterministic: the point-mass rule) or the distribution each node
   was drawn from. It must not use the target's scores of this draft: only earlier verdicts and logits.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -50,6 +56,9 @@ class Drafter(ABC):
     # True: draft_model (optional) is a folder the drafter loads itself (a trained head), not a CausalLM
     takes_draft_folder: ClassVar[bool] = False
     supports_sampling: ClassVar[bool] = True  # False: the engine refuses temperature > 0
+    # True: it runs a part of the target itself (CausalLM.forward_sublayers), so it needs a target that can
+    # (runs_sublayers: the native backend)
+    needs_sublayers: ClassVar[bool] = False
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     depth_limit: int | None = None  # set by the engine before each propose: the draft depth it keeps (None: all)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
@@ -66,6 +75,16 @@ class Drafter(ABC):
     # embeddings, target.n_layers = the last layer's output before the final norm; EAGLE-3: 2, L//2, L-3). Empty:
     # the target computes and keeps nothing extra.
     hidden_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def search(cls, target, score: Callable[[dict], float], trials: int) -> list[dict]:
+        """Option sets found by searching this target (`specdecode tune`), beyond tune_grid, best first; score(options)
+        is the estimated tokens per second of one option set on the tuning prompts, `trials` the evaluations the
+        search may spend. Most drafters have nothing to search: []."""
+        return []
+
+    def use_target_cache(self, cache) -> None:
+        """The target's KVCache of the request about to start (self-speculative drafters draft over it)."""
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
         """A new request: reset per-request state. capacity = longest context this request can reach."""

@@ -8,10 +8,20 @@
   (SpecDec++'s cumulative stop rule with the draft's own probabilities in place of a trained head;
   transformers' assistant_confidence_threshold uses the last token's probability, which is the same on a
   chain's first level).
+- adaptive: Draft & Verify's adaptive draft-exiting (Zhang et al., 2024, arXiv 2309.08168, `auto_th_stop_draft` in
+  its decoding.py): stop as `confidence` does (the self-speculative chains pass each token's own draft
+  probability, as the paper does), with a threshold that follows the acceptance rate: after each verification the
+  rate's moving average m <- 0.5 m + 0.5 accepted/drafted; the threshold moves towards th + 0.01 while m < 0.9
+  (drafts too long), th - 0.01 when m >= 0.9 and the draft stopped before the cap, and stays when it reached the
+  cap (th <- 0.9 th + 0.1 th'). `threshold` is its start.
 - thompson: EESD's Beta-Thompson controller (Liu et al., 2024, arXiv 2406.03853): a Beta(alpha, beta) posterior
   over the per-token acceptance probability; before each further level draw theta ~ Beta and continue with
   probability theta, so lengths follow the acceptance runs the posterior expects. After verification alpha
-  gains the accepted tokens and beta gains 1 if the draft was cut short by a rejection.
+  gains the accepted tokens and beta gains 1 if the draft was cut short by a rejection: the conjugate update of
+  a Bernoulli acceptance per token observed up to the first rejection. Checked against what is public of the
+  paper (its abstract: a Thompson-sampling controller over the number of draft tokens per round, a Beta-TS
+  variant); its method section and code were not available to check the exact rule, nor its Calibration-TS
+  variant (which also weighs the draft's own confidence), which is not implemented.
 
 The decision only ever looks at the draft model's own outputs and at earlier verdicts, never at the target's
 scores for this draft, so it does not bias verification: every policy stays lossless.
@@ -66,6 +76,24 @@ class ConfidenceLength(FixedLength):
         return confidence >= self.threshold
 
 
+class AdaptiveLength(ConfidenceLength):
+    TARGET_RATE, STEP, RATE_DECAY, THRESHOLD_DECAY = 0.9, 0.01, 0.5, 0.9  # the paper's auto_parameters
+
+    def __init__(self, depth, threshold):
+        super().__init__(depth, threshold)
+        self.rate = 0.0  # moving average of the acceptance rate (the paper's matchness, starting at 0)
+
+    def update(self, accepted, drafted_depth):
+        if drafted_depth == 0:
+            return
+        self.rate = self.RATE_DECAY * self.rate + (1 - self.RATE_DECAY) * accepted / drafted_depth
+        if self.rate < self.TARGET_RATE:
+            moved = self.threshold + self.STEP
+        else:
+            moved = self.threshold if drafted_depth == self.cap else self.threshold - self.STEP
+        self.threshold = self.THRESHOLD_DECAY * self.threshold + (1 - self.THRESHOLD_DECAY) * moved
+
+
 class ThompsonLength(FixedLength):
     def __init__(self, depth, threshold, prior: tuple[float, float] = (1.0, 1.0), seed: int = 0):
         super().__init__(depth, threshold)
@@ -81,7 +109,7 @@ class ThompsonLength(FixedLength):
 
 
 LENGTHS = {"fixed": FixedLength, "heuristic": HeuristicLength, "confidence": ConfidenceLength,
-           "thompson": ThompsonLength}
+           "adaptive": AdaptiveLength, "thompson": ThompsonLength}
 
 
 def draft_length(name: str, depth: int, threshold: float) -> FixedLength:

@@ -34,6 +34,9 @@ class LookupHybrid(Drafter):
         self.hidden_layers = inner.hidden_layers
         self.looked_up = False  # the current draft came from the lookup, not from `inner`
 
+    def use_target_cache(self, cache) -> None:
+        self.inner.use_target_cache(cache)
+
     def start(self, prompt_ids, capacity):
         self.inner.start(prompt_ids, capacity)
         self.retrieval.start(prompt_ids, capacity)

@@ -18,14 +18,18 @@ from torch import nn
 from ..cache import KVCache
 from ..models.native.ops import apply_rotary, attend, inverse_frequencies, rotary
 
-KINDS = ("eagle", "eagle3", "medusa")
+KINDS = ("eagle", "eagle3", "medusa", "kangaroo", "eesd")
+EXIT_KINDS = ("kangaroo", "eesd")  # heads on the target's first layers (heads/exit.py): feature_layers = [exit layer]
+# Heads that read their feature layers' own states ("fused" in the training data) rather than the final-normed last
+# feature alone, and that draft over their own vocabulary (set_vocabulary, target_ids)
+LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
 
 
 @dataclass
 class HeadConfig:
     """Everything needed to rebuild a head; the target's shapes are copied in when the head is made for it."""
 
-    kind: str  # eagle | eagle3 | medusa
+    kind: str  # one of KINDS
     hidden_size: int
     vocab_size: int  # the target's vocabulary
     num_attention_heads: int = 1
@@ -35,8 +39,9 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     attention_bias: bool = False
-    draft_vocab_size: int = 0  # eagle3: rows of its own LM head (0 = the target's vocabulary)
-    feature_layers: list[int] = field(default_factory=list)  # eagle3: the target layers whose inputs are fused
+    draft_vocab_size: int = 0  # eagle3, exit heads: draft vocabulary size (0 = the target's vocabulary)
+    # eagle3: the target layers whose inputs are fused; exit heads: [the exit layer]
+    feature_layers: list[int] = field(default_factory=list)
     num_heads: int = 4  # medusa: how many tokens ahead it predicts
     norm_before_residual: bool = False  # eagle3: the residual takes the normalized hidden (speculators' flag)
     target: str = ""  # the target's name, for finding the head again

@@ -8,7 +8,7 @@ import torch
 
 from ..models.base import CausalLM, HiddenStates, prefill
 from ..models.hf import HFModel
-from .layer import HeadConfig
+from .layer import EXIT_KINDS, HeadConfig
 
 
 def eagle3_layers(target: CausalLM) -> list[int]:
@@ -17,8 +17,18 @@ def eagle3_layers(target: CausalLM) -> list[int]:
     return [min(2, count - 1), count // 2, max(count - 3, 0)]
 
 
-def feature_layers(kind: str, target: CausalLM) -> list[int]:
-    """The hidden states a head of this kind reads; n_layers = the last layer's output (then the final norm)."""
+def default_exit_layer(n_layers: int) -> int:
+    """Where an exit head (Kangaroo, EESD) reads the target by default: after the first sixth of its layers, at
+    least one. Kangaroo exits after 2 of Vicuna-7B's 32 layers; small targets need a larger share of their depth to
+    draft well, and the draft still costs a fraction of a forward."""
+    return min(n_layers, max(1, n_layers // 6))
+
+
+def feature_layers(kind: str, target: CausalLM, exit_layer: int = 0) -> list[int]:
+    """The hidden states a head of this kind reads; n_layers = the last layer's output (then the final norm). Exit
+    heads read the input of their exit layer (0: default_exit_layer)."""
+    if kind in EXIT_KINDS:
+        return [exit_layer or default_exit_layer(target.n_layers)]
     return eagle3_layers(target) if kind == "eagle3" else [target.n_layers]
 
 
@@ -36,6 +46,35 @@ def final_norm(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [...,
 
 def lm_head(target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
     return target.lm_head_logits(hidden.to(target.dtype))
+
+
+def final_norm_weight(target: CausalLM) -> torch.Tensor:
+    """[d] float32: the scale the target's final norm applies (Gemma's 1 + w included), read off the norm itself."""
+    ones = torch.ones(hidden_size(target), dtype=target.dtype)
+    return final_norm(target, ones).float() * (1 + _norm_eps(target)) ** 0.5
+
+
+def _norm_eps(target: CausalLM) -> float:
+    if isinstance(target, HFModel):
+        return float(target.model.config.get_text_config(decoder=True).rms_norm_eps)
+    return float(target.eps)
+
+
+@torch.no_grad()  # not inference_mode: training multiplies by these rows under autograd
+def lm_head_rows(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
+    """[n, d] float32: the target's LM head rows of these tokens (a draft vocabulary), without materialising the
+    whole head in float32 (Gemma's has 262k rows)."""
+    if isinstance(target, HFModel):
+        return target.model.get_output_embeddings().weight[token_ids].float()
+    head = target.lm_head
+    if head.dense is not None:
+        return head.dense[token_ids].float()
+    from ..models.native.linear import TILE, dequantize
+
+    tiles = torch.unique(token_ids // TILE)  # [t]: the packed tiles holding these rows
+    rows = dequantize(head.packed[tiles], head.quant)  # [t * TILE, d]
+    where = torch.searchsorted(tiles, token_ids // TILE) * TILE + token_ids % TILE
+    return rows[where]
 
 
 def frozen_weights(target: CausalLM) -> dict[str, torch.Tensor]:
@@ -102,4 +141,7 @@ def new_head(kind: str, target: CausalLM, seed: int = 0, **overrides):
     head = build_head(head_config(kind, target, **overrides))
     if kind == "eagle3":
         head.set_vocabulary(torch.arange(head.config.draft_vocab_size))
+    if kind in EXIT_KINDS:  # start as the target's own final norm at the exit layer
+        with torch.no_grad():
+            head.norm.weight.copy_(final_norm_weight(target))
     return head.float().eval()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVBatch, KVCache
-from ..errors import SpecDecodeError
+from ..errors import OptionError, SpecDecodeError
 from ..tree import PROBE, Draft, ancestor_mask, depths, with_root
 
 
@@ -49,6 +49,36 @@ def fill_hidden(hidden: list[HiddenStates | None], layers: tuple[int, ...], capt
 
 
 @dataclass(frozen=True)
+class Sublayers:
+    """The part of the target a self-speculative drafting forward runs (CausalLM.forward_sublayers): decoder layers
+    [0, stop), without the attention sublayers of the layers in skip_attention and the MLP sublayers of those in
+    skip_mlp (a skipped sublayer adds nothing to the residual stream, as Draft & Verify skips them). Kangaroo and
+    EESD stop after their exit layer; Draft & Verify runs every layer minus its skip set."""
+
+    stop: int
+    skip_attention: frozenset[int] = frozenset()
+    skip_mlp: frozenset[int] = frozenset()
+
+    def check(self, n_layers: int) -> None:
+        if not 0 <= self.stop <= n_layers or not all(0 <= i < n_layers for i in self.skip_attention | self.skip_mlp):
+            raise SpecDecodeError(
+                f"sublayers up to layer {self.stop}, skipping {sorted(self.skip_attention)} (attention) and "
+                f"{sorted(self.skip_mlp)} (MLP), asked of a model with layers 0..{n_layers - 1}.",
+                "Name layers the target has.",
+            )
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Start a forward at decoder layer `layer` from `states` [q, H] (the residual stream entering it), over cache
+    slots whose keys and values for the layers below were written by a drafting forward (forward_sublayers) of the
+    same tokens at the same positions: the drafter's exit states of Draft.exit_states."""
+
+    layer: int
+    states: torch.Tensor  # [q, H]
+
+
+@dataclass(frozen=True)
 class ForwardRequest:
     """The inputs of one CausalLM.forward; a server gathers several requests' into one forward_batch."""
 
@@ -58,11 +88,12 @@ class ForwardRequest:
     tree_mask: torch.Tensor  # [q, cache.pending + q] bool
     probe_embedding: torch.Tensor | None = None  # [H]: the input at PROBE tokens (see tree.PROBE)
     hidden: HiddenStates | None = None  # filled by the forward (forward or forward_batch) when given
+    resume: Resume | None = None  # run only the layers from resume.layer on (see Resume)
 
     def run(self, model: "CausalLM") -> torch.Tensor:  # [q, V] float32 logits, uncommitted
         return model.forward(
             self.cache, self.input_ids, self.positions, self.tree_mask, probe_embedding=self.probe_embedding,
-            hidden=self.hidden,
+            hidden=self.hidden, resume=self.resume,
         )
 
 
@@ -77,6 +108,7 @@ class CausalLM(ABC):
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     quant: str = "none"  # weight format: none (dtype), int8, int4
+    runs_sublayers: bool = False  # forward_sublayers and Resume work (self-speculative drafters need them)
 
     @abstractmethod
     def new_cache(self, capacity: int) -> KVCache: ...
@@ -91,8 +123,23 @@ class CausalLM(ABC):
         last_only: bool = False,
         probe_embedding: torch.Tensor | None = None,  # [H]: the input of every position whose id is PROBE
         hidden: HiddenStates | None = None,  # filled with these layers' states of all q rows (even with last_only)
+        resume: Resume | None = None,  # start at resume.layer over the drafter's entries (runs_sublayers only)
     ) -> torch.Tensor:  # [q, V] float32 logits ([1, V] with last_only); the q entries stay uncommitted
         ...
+
+    def forward_sublayers(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,  # [q]
+        positions: torch.Tensor,  # [q]
+        tree_mask: torch.Tensor,  # [q, cache.pending + q] bool
+        sublayers: Sublayers,
+    ) -> torch.Tensor:  # [q, H]: the residual stream entering layer sublayers.stop (n_layers: before the final norm)
+        """Self-speculation's drafting forward: run only `sublayers` of this model over q tokens, writing the keys and
+        values of the attention sublayers it runs into the q slots after the cache's entries, uncommitted (like any
+        forward: the committed entries are never touched). The caller drops them, or keeps them for verification by
+        sending their states as Draft.exit_states. Backends without it raise OptionError naming the native one."""
+        raise needs_native_backend(self)
 
     def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
         """Several requests' forwards (each its own cache); the [q_i, V] logits of each; each request's `hidden`
@@ -115,6 +162,13 @@ class CausalLM(ABC):
         raise SpecDecodeError(f"{self.name} does not expose its LM head.", "Pick another drafter.")
 
 
+def needs_native_backend(model: CausalLM) -> OptionError:
+    return OptionError(
+        f"{model.name} runs on transformers, whose forward cannot run a part of the model's layers (self-speculation)",
+        "Use --backend native (Llama, SmolLM2, Qwen2 and Gemma 3 models).",
+    )
+
+
 def prefill(
     model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor, hidden: HiddenStates | None = None
 ) -> torch.Tensor:
@@ -132,13 +186,22 @@ def prefill(
 
 def tree_request(cache: KVCache, root_token: int, draft: Draft, hidden_layers: tuple[int, ...] = ()) -> ForwardRequest:
     """The verification forward over [root, draft tokens] with tree attention; it yields [N+1, V] target logits,
-    uncommitted, and (with hidden_layers) fills request.hidden with those layers' [K, N+1, H] states."""
-    assert cache.pending == 0
+    uncommitted, and (with hidden_layers) fills request.hidden with those layers' [K, N+1, H] states.
+
+    Uncommitted entries a self-speculative drafter wrote into the cache are dropped, or, when the draft carries
+    exit states, kept: the forward then resumes at draft.exit_layer over those slots (Resume), and the cache keeps
+    the accepted path's entries of every layer as it keeps any verified path's."""
+    resume = None
+    if draft.exit_states is not None:
+        assert cache.pending >= len(draft) + 1, "exit states without the drafter's cache entries"
+        resume = Resume(draft.exit_layer, draft.exit_states)
+    else:
+        cache.discard()
     parents = with_root(draft.parents)  # [N+1]
     ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
     positions = cache.length + depths(parents) - 1  # [N+1], root at the next free position
     hidden = HiddenStates(tuple(hidden_layers)) if hidden_layers else None
-    return ForwardRequest(cache, ids, positions, ancestor_mask(parents), draft.probe_embedding, hidden)
+    return ForwardRequest(cache, ids, positions, ancestor_mask(parents), draft.probe_embedding, hidden, resume)
 
 
 def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft) -> torch.Tensor:
@@ -161,7 +224,8 @@ def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int 
 
 @dataclass
 class BatchInputs:
-    """Requests whose caches fill consecutive slots of one KVPool, padded into one [B, q] forward."""
+    """Requests whose caches fill consecutive slots of one KVPool, padded into one [B, q] forward (resumed forwards
+    run alone)."""
 
     kv: KVBatch
     input_ids: torch.Tensor  # [B, q], padded with token 0
@@ -174,6 +238,8 @@ class BatchInputs:
     @classmethod
     def of(cls, requests: list[ForwardRequest]) -> "BatchInputs | None":
         """None when the caches are not consecutive slots of one pool (then run them one by one)."""
+        if any(request.resume is not None for request in requests):
+            return None  # a resumed forward starts at its own layer
         lengths = [request.input_ids.shape[0] for request in requests]
         q = max(lengths)
         pool = requests[0].cache.pool

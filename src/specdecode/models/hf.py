@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from ..cache import KVBatch, KVCache
 from .base import (
     BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, eos_token_ids, fill_hidden,
-    place_probes, wanted_layers,
+    needs_native_backend, place_probes, wanted_layers,
 )
 
 
@@ -57,7 +57,10 @@ class HFModel(CausalLM):
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None):
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None,
+                resume=None):
+        if resume is not None:  # transformers runs every layer (self-speculative drafters refuse this backend)
+            raise needs_native_backend(self)
         q = input_ids.shape[0]
         cache.reserve(positions)
         masks = {kind: self._additive(attention_mask(cache, q, tree_mask, self._window(kind)))[None, None]

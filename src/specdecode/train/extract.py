@@ -5,8 +5,8 @@ head learns the target's own continuations, as EAGLE-3 and Medusa-2 do) or the d
 regeneration is off. Each sequence is then run through the target once, reading its hidden states (the forward's
 HiddenStates): the last layer's output after the final norm ("last"; every kind needs it: EAGLE-1's and Medusa's
 input, and the target distribution of every loss) and, for EAGLE-3, the fused inputs of its three layers
-("fused"). A shard holds many sequences back to back; manifest.json lists the shards, so an interrupted
-extraction resumes at the next shard."""
+("fused"; for the exit heads of Kangaroo and EESD: the input of their exit layer). A shard holds many sequences
+back to back; manifest.json lists the shards, so an interrupted extraction resumes at the next shard."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..heads import target as target_side
 from ..models.hf import HFModel
-from ..text import chat_prompt_ids
+from ..text import prompt_ids
 from .data import Conversation
 
 
@@ -33,11 +33,12 @@ class Sequence:
 def chat_sequences(
     target, convs: list[Conversation], regenerate: bool, answer_tokens: int, max_prompt: int, batch: int
 ) -> list[Sequence]:
-    """Prompt ids (chat template) + answer ids, prompts longer than max_prompt tokens skipped."""
+    """Prompt ids (chat template, or the plain text for a base model) + answer ids, prompts longer than max_prompt
+    tokens skipped."""
     tokenizer = target.tokenizer
     prompts, kept = [], []
     for conv in convs:
-        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": conv.prompt}])
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": conv.prompt}])
         if len(ids) <= max_prompt:
             prompts.append(ids)
             kept.append(conv)
@@ -157,7 +158,7 @@ class FeatureStore:
         tmp.replace(self.manifest_path)
 
     def load(self) -> list[dict[str, torch.Tensor]]:
-        """Every sequence: {ids [T], prompt_len, last [T, d], fused [T, 3d] (if extracted)}."""
+        """Every sequence: {ids [T], prompt_len, last [T, d], fused [T, K d] (if extracted)}."""
         out = []
         for shard in self.manifest["shards"]:
             tensors = load_file(str(self.folder / shard["file"]))

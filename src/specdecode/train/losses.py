@@ -10,6 +10,12 @@ mask no valid row ever sees a padded one).
   cross-entropy against the target's distribution restricted to the draft vocabulary, on rows whose next token
   is in it, weighted 0.8^j.
 - medusa (Medusa-1): head k's cross-entropy on the token k+2 places ahead, weighted 0.8^k.
+- kangaroo, eesd (exit heads): from the target's states entering the exit layer, causally over the sequence,
+  predict the target's next-token distribution at every position: the cross-entropy of the target's distribution
+  (its final feature through its LM head) against the head's, both over the draft vocabulary's rows of the frozen
+  LM head (Kangaroo's soft-label loss; EESD's self-distillation on the target's own answers). The prompt's
+  positions count too: their labels are the target's own distributions as well, twice the data for one
+  extraction (accuracy is reported on the answers).
 
 Frozen target tensors (embedding, LM head) come in `frozen`; nothing of the target is trained."""
 
@@ -18,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..heads.layer import SequenceKV, step_mask
+from ..heads.layer import EXIT_KINDS, SequenceKV, step_mask
 
 NOISE = 0.2  # EAGLE's uniform feature noise: U(-0.1, 0.1)
 
@@ -99,9 +105,28 @@ def medusa_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[to
     return total, metrics
 
 
+def exit_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[torch.Tensor, dict]:
+    ids, last, states, valid = batch["ids"], batch["last"].float(), batch["fused"], batch["valid"]
+    b, t = ids.shape
+    positions = torch.arange(t, device=ids.device).expand(b, t)
+    mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]
+    outputs = head(states, positions, SequenceKV(), mask).float()  # [B, T, d]
+    draft_head = frozen["draft_lm_head"]  # [Vd, d]
+    with torch.no_grad():
+        target_logits = last @ draft_head.T  # [B, T, Vd]
+    logits = outputs @ draft_head.T
+    every = F.pad(batch["real"][:, 1:], (0, 1))  # row t predicts token t+1 (a real one)
+    answers = F.pad(valid[:, 1:], (0, 1))  # ... an answer token
+    loss = masked_mean(soft_cross_entropy(target_logits, logits), every)
+    accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), answers)
+    return loss, {"acc": float(accuracy)}
+
+
 def head_loss(kind: str, head, batch: dict, frozen: dict, steps: int, train: bool = True):
     if kind == "eagle":
         return eagle_loss(head, batch, frozen, train)
     if kind == "eagle3":
         return eagle3_loss(head, batch, frozen, steps, train)
+    if kind in EXIT_KINDS:
+        return exit_loss(head, batch, frozen, train)
     return medusa_loss(head, batch, frozen, train)

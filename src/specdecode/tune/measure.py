@@ -16,8 +16,8 @@ from ..drafters import DRAFTERS, build_drafter
 from ..engine import generate
 from ..models.base import CausalLM, prefill
 from ..sampling import SamplingParams
-from ..text import chat_prompt_ids
-from .cost import Measured, choose, speedup
+from ..text import prompt_ids
+from .cost import Measured, choose, speedup, tokens_per_second
 
 
 def tune_prompts(tokenizer, limit: int = 0) -> list[list[int]]:
@@ -30,18 +30,36 @@ def tune_prompts(tokenizer, limit: int = 0) -> list[list[int]]:
         by_kind.setdefault(record["kind"], []).append(record["prompt"])
     rounds = itertools.zip_longest(*by_kind.values())
     texts = [text for texts in rounds for text in texts if text is not None][: limit or None]
-    if getattr(tokenizer, "chat_template", None):
-        return [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    return [tokenizer(t)["input_ids"] for t in texts]
+    return [prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
 
-def candidates_for(name: str) -> list[dict]:
-    """The defaults first, then the drafter's tune grid."""
+def candidates_for(name: str, found: list[dict] = ()) -> list[dict]:
+    """The defaults first, then the drafter's tune grid, then the option sets its search found."""
     grid = [{}]
-    for options in DRAFTERS[name].tune_grid:
+    for options in list(DRAFTERS[name].tune_grid) + list(found):
         if options not in grid:
             grid.append(dict(options))
     return grid
+
+
+def search_candidates(target, name: str, draft_model, prompts, max_new_tokens: int, curve, trials: int) -> list[dict]:
+    """What drafter `name`'s own search (Drafter.search) finds in `trials` evaluations, each scored as the tuning
+    scores a candidate: estimated tokens per second on these prompts."""
+    if trials <= 0:
+        return []
+    bars = []  # one progress bar, opened by the first evaluation (most drafters search nothing)
+
+    def score(options: dict) -> float:
+        bars or bars.append(tqdm(desc=f"{name} search", unit="generation"))
+        measured = measure_drafter(target, name, options, draft_model, prompts, max_new_tokens, bars[0])
+        bars[0].set_postfix_str(f"{options}: {tokens_per_second(measured, curve):.1f} tokens/s")
+        return tokens_per_second(measured, curve)
+
+    try:
+        return DRAFTERS[name].search(target, score, trials)
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def verify_curve(
@@ -94,11 +112,20 @@ def run_tune(
     max_new_tokens: int = 48,
     max_tokens: int = 64,
     repeats: int = 3,
+    search_trials: int = 40,
+    search_prompts: int = 6,
 ) -> dict:
-    """Measure everything and return the profile: the verify curve, every candidate, each drafter's choice."""
-    jobs = [(name, options) for name in drafters for options in candidates_for(name)]
+    """Measure everything and return the profile: the verify curve, every candidate (the defaults, the tune grid
+    and what a drafter's search finds in `search_trials` evaluations on the first `search_prompts` prompts, at
+    most 32 new tokens each, as Draft & Verify searches), each drafter's choice."""
     with tqdm(total=max_tokens * repeats, desc="verify cost", unit="forward") as bar:
         curve = verify_curve(target, prompts[0], max_tokens, repeats, bar)
+    found = {
+        name: search_candidates(target, name, draft_model, prompts[:search_prompts], min(32, max_new_tokens), curve,
+                                search_trials)
+        for name in drafters
+    }
+    jobs = [(name, options) for name in drafters for options in candidates_for(name, found[name])]
     measured: dict[str, list[Measured]] = {name: [] for name in drafters}
     with tqdm(total=len(jobs) * len(prompts), desc="acceptance", unit="generation") as bar:
         for name, options in jobs:

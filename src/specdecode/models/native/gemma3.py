@@ -59,10 +59,13 @@ class Gemma3Model(LlamaModel):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
         return self.embedding[token_ids].to(self.dtype) * self.embed_scale
 
-    def _layer(self, block: GemmaBlock, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
-        attended = self._attention(block, layer, kv, hidden, b, cos, sin, mask)
-        hidden = hidden + self.ops.rms_norm(attended, block.post_attn_norm, self.eps)
-        return hidden + self.ops.rms_norm(self._mlp(block, hidden), block.post_mlp_norm, self.eps)
+    def _layer(self, block: GemmaBlock, layer: int, kv, hidden, b: int, cos, sin, mask, attention=True, mlp=True):
+        if attention:
+            attended = self._attention(block, layer, kv, hidden, b, cos, sin, mask)
+            hidden = hidden + self.ops.rms_norm(attended, block.post_attn_norm, self.eps)
+        if mlp:
+            hidden = hidden + self.ops.rms_norm(self._mlp(block, hidden), block.post_mlp_norm, self.eps)
+        return hidden  # [B*q, d]
 
     def _qk_norm(self, block: GemmaBlock, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
         hq = self.n_heads

@@ -14,9 +14,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ...cache import KVCache
+from ...errors import SpecDecodeError
 from ..base import (
-    BatchInputs, CausalLM, ForwardRequest, attention_mask, batch_attention_mask, fill_hidden, place_probes,
-    wanted_layers,
+    BatchInputs, CausalLM, ForwardRequest, Resume, Sublayers, attention_mask, batch_attention_mask, fill_hidden,
+    place_probes, wanted_layers,
 )
 from .linear import Linear
 from .weights import PreparedWeights
@@ -35,6 +36,7 @@ class Block:
 
 class LlamaModel(CausalLM):
     gelu = False  # the MLP's gate activation: SiLU (Llama), or GELU with the tanh approximation
+    runs_sublayers = True
 
     def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
         self.name, self.tokenizer, self.quant = name, tokenizer, weights.quant
@@ -96,22 +98,42 @@ class LlamaModel(CausalLM):
         return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
 
     @torch.inference_mode()
-    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None):
+    def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None,
+                resume: Resume | None = None):
         q = input_ids.shape[0]
-        cache.reserve(positions)
-        # one new token with nothing uncommitted before it sees everything (no window): no mask
-        sees_all = q == 1 and cache.pending == 0
-        masks = {  # kind -> [1, q, end+q]
-            kind: None if sees_all and window is None else attention_mask(cache, q, tree_mask, window)[None]
-            for kind, (_, window) in self.kinds.items()
-        }
         layers = wanted_layers([hidden], self.n_layers)
+        if resume is not None:
+            if layers and layers[0] < resume.layer:
+                raise SpecDecodeError(f"hidden states of layer {layers[0]} asked of a forward resumed at layer "
+                                      f"{resume.layer}.", "Ask for layers at or above the exit layer.")
+            cache.discard()  # write from the first uncommitted slot: the drafter's entries below resume.layer stay
+        cache.reserve(positions)
+        masks = self._masks(cache, q, tree_mask)
         probes = [probe_embedding]
-        logits, captured = self._run(cache, input_ids[None], positions[None], masks, last_only, probes, layers)
+        logits, captured = self._run(cache, input_ids[None], positions[None], masks, last_only, probes, layers, resume)
         cache.advance(q)
         if layers:
             fill_hidden([hidden], layers, captured, [q])
         return logits[0]  # [q or 1, V]
+
+    @torch.inference_mode()
+    def forward_sublayers(self, cache, input_ids, positions, tree_mask, sublayers: Sublayers) -> torch.Tensor:
+        sublayers.check(self.n_layers)
+        q = input_ids.shape[0]
+        cache.reserve(positions)
+        masks = self._masks(cache, q, tree_mask)
+        hidden = self.embed(input_ids)  # [q, d]
+        hidden, _ = self._blocks(cache, hidden, 1, positions[None], masks, range(sublayers.stop), sublayers)
+        cache.advance(q)
+        return hidden  # [q, d]
+
+    def _masks(self, cache, q: int, tree_mask) -> dict:
+        """Attention kind -> [1, q, end+q] bool, or None where a lone new token sees everything."""
+        sees_all = q == 1 and cache.pending == 0  # and no window
+        return {
+            kind: None if sees_all and window is None else attention_mask(cache, q, tree_mask, window)[None]
+            for kind, (_, window) in self.kinds.items()
+        }
 
     @torch.inference_mode()
     def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
@@ -132,23 +154,20 @@ class LlamaModel(CausalLM):
             fill_hidden(batch.hidden, layers, captured, batch.lengths)
         return [logits[row, :length] for row, length in enumerate(batch.lengths)]
 
-    def _run(self, kv, input_ids, positions, masks: dict, last_only: bool, probes, layers=()):
+    def _run(self, kv, input_ids, positions, masks: dict, last_only: bool, probes, layers=(), resume=None):
         """[B, q] tokens at [B, q] positions -> ([B, q or 1, V] float32 logits, [B, len(layers), q, d] the inputs
         of those layers (n_layers: the last output, before the final norm), or None without layers); kv holds the
-        reserved slots; masks: attention kind -> [B, q, keys] bool or None."""
+        reserved slots; masks: attention kind -> [B, q, keys] bool or None. With `resume` (B = 1) the layers below
+        resume.layer are not run: their input is resume.states."""
         b, q = input_ids.shape
-        rotations = {kind: self._rotary(kind)(positions) for kind in self.kinds}  # kind -> cos, sin [B, 1, q, D]
-        if any(probe is not None for probe in probes):
+        first = 0 if resume is None else resume.layer
+        if resume is not None:
+            hidden = resume.states.to(self.dtype).reshape(b * q, -1)
+        elif any(probe is not None for probe in probes):
             hidden = place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes).view(b * q, -1)
         else:
             hidden = self.embed(input_ids.reshape(-1))  # [B*q, d]: every matmul sees all rows at once
-        captured = []  # the residual stream entering each asked layer
-        for layer, (block, kind) in enumerate(zip(self.blocks, self.layer_kinds)):
-            if layer in layers:
-                captured.append(hidden.clone())  # a copy: a layer may update the residual stream in place
-            hidden = self._layer(block, layer, kv, hidden, b, *rotations[kind], masks[kind])
-        if self.n_layers in layers:
-            captured.append(hidden.clone())
+        hidden, captured = self._blocks(kv, hidden, b, positions, masks, range(first, self.n_layers), None, layers)
         states = torch.stack(captured).view(len(layers), b, q, -1).transpose(0, 1) if layers else None
         hidden = hidden.view(b, q, -1)
         if last_only:
@@ -156,14 +175,36 @@ class LlamaModel(CausalLM):
         logits = self.lm_head(self.ops.rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
         return logits.float().view(b, hidden.shape[1], -1), states
 
+    def _blocks(self, kv, hidden, b: int, positions, masks: dict, run: range, skip: Sublayers | None = None,
+                layers=()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The residual stream [B*q, d] through decoder layers `run` (minus skip's sublayers), and a copy of it
+        entering each layer of `layers` in that range (run.stop included: the output)."""
+        rotations = {kind: self._rotary(kind)(positions) for kind in self.kinds}  # kind -> cos, sin [B, 1, q, D]
+        captured = []  # the residual stream entering each asked layer
+        for layer in run:
+            if layer in layers:
+                captured.append(hidden.clone())  # a copy: a layer may update the residual stream in place
+            kind, block = self.layer_kinds[layer], self.blocks[layer]
+            attention = skip is None or layer not in skip.skip_attention
+            mlp = skip is None or layer not in skip.skip_mlp
+            hidden = self._layer(block, layer, kv, hidden, b, *rotations[kind], masks[kind], attention, mlp)
+        if run.stop in layers:
+            captured.append(hidden.clone())
+        return hidden, captured
+
     def _rotary(self, kind: str) -> RotaryTable:
         if kind not in self.rotary:
             self.rotary[kind] = RotaryTable(self.kinds[kind][0], self.dtype)
         return self.rotary[kind]
 
-    def _layer(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:  # [B*q, d]
-        hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
-        return hidden + self._mlp(block, hidden)
+    def _layer(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask, attention=True, mlp=True):
+        """One decoder layer on the residual stream [B*q, d]; a skipped sublayer (attention or mlp False) adds
+        nothing and writes no cache entry."""
+        if attention:
+            hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
+        if mlp:
+            hidden = hidden + self._mlp(block, hidden)
+        return hidden
 
     def _attention(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:
         hq, hkv = self.n_heads, self.n_kv_heads

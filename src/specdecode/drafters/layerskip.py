@@ -1,0 +1,82 @@
+"""Draft & Verify (Zhang et al., ACL 2024, arXiv 2309.08168): self-speculative decoding by layer skipping. The draft
+is the target itself with a set of attention and MLP sublayers skipped (the residual stream passes them unchanged),
+over the target's own KV cache; no training, no extra weights. It drafts a chain and stops once a token's draft
+probability falls below a threshold that adapts online to the acceptance rate (draft_length `adaptive`, the
+paper's `auto_th_stop_draft`).
+
+The skip set is `skip_attn` and `skip_mlp` (comma-separated layer indices; `auto` = a generic set, see default_skip).
+`specdecode tune --drafters layerskip` searches it as the paper does, by Bayesian optimisation of the decoding speed
+(optuna's TPE sampler; the paper used a Gaussian process) over the shipped tuning prompts, and saves the best set in
+the target's tuned profile, where this drafter finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import OptionError
+from ..models.base import Sublayers
+from .base import register
+from .self_draft import SelfDrafter
+
+
+def default_skip(n_layers: int) -> tuple[frozenset[int], frozenset[int]]:
+    """A generic skip set where none was searched: the attention of every odd layer and the MLP of every fourth
+    (layers 3, 7, ...), keeping the first and last layers whole; roughly the shares the paper's search found for
+    LLaMA-2-13B (24 of 40 attention sublayers, 10 of 40 MLPs)."""
+    inner = range(1, n_layers - 1)
+    return frozenset(i for i in inner if i % 2 == 1), frozenset(i for i in inner if i % 4 == 3)
+
+
+def skip_option(value, default: frozenset[int], n_layers: int, name: str) -> frozenset[int]:
+    """An option's layer set: `auto` (the default set), `none` or empty, or comma-separated layer indices."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return default
+    if text in ("", "none"):
+        return frozenset()
+    try:
+        layers = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        layers = frozenset([-1])
+    if not all(0 <= layer < n_layers for layer in layers):
+        raise OptionError(f"{name}={value}: need auto, none or comma-separated layers in 0..{n_layers - 1}")
+    return layers
+
+
+def skip_text(layers) -> str:
+    return ",".join(str(layer) for layer in sorted(layers)) or "none"
+
+
+@register("layerskip")
+class LayerSkipDrafter(SelfDrafter):
+    variants = ({}, {"skip_attn": "0", "skip_mlp": "none", "depth": 3, "length": "fixed"})
+    tune_grid = ({"threshold": 0.6}, {"depth": 4}, {"depth": 12, "threshold": 0.6})
+
+    def __init__(self, target, skip_attn: str = "auto", skip_mlp: str = "auto", depth: int = 8,
+                 threshold: float = 0.8, length: str = "adaptive"):
+        super().__init__(target, depth, length, threshold)
+        attention, mlp = default_skip(target.n_layers)
+        self.sublayers = Sublayers(
+            target.n_layers, skip_option(skip_attn, attention, target.n_layers, "skip_attn"),
+            skip_option(skip_mlp, mlp, target.n_layers, "skip_mlp"),
+        )
+
+    def next_logits(self, token, position):
+        hidden = self.run_target(token, position, self.sublayers)  # [1, d]: the last layer's output
+        return self.target.lm_head_logits(self.target.final_norm(hidden))[0]
+
+    @classmethod
+    def search(cls, target, score: Callable[[dict], float], trials: int) -> list[dict]:
+        """The paper's skip-set search: Bayesian optimisation of score(options) (estimated tokens per second on the
+        tuning prompts) over one skip flag per attention and MLP sublayer, seeded with the default set; the best
+        set, then with the tune grid's thresholds and depths."""
+        from ..tune.search import search_skip_set
+
+        attention, mlp = default_skip(target.n_layers)
+        best = search_skip_set(
+            target.n_layers, lambda a, m: score({"skip_attn": skip_text(a), "skip_mlp": skip_text(m)}), trials,
+            seed_sets=[(attention, mlp)],
+        )
+        found = {"skip_attn": skip_text(best[0]), "skip_mlp": skip_text(best[1])}
+        return [found] + [dict(found, **options) for options in cls.tune_grid]
