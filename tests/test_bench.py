@@ -91,8 +91,8 @@ def make_config(methods):
 
 def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     target = tiny_model("qwen2", vocab=64)
-    methods = [CountingMethod("none", target, build_drafter("none", target)),
-               CountingMethod("pld", target, build_drafter("pld", target))]
+    methods = [CountingMethod("none", target, lambda: build_drafter("none", target)),
+               CountingMethod("pld", target, lambda: build_drafter("pld", target))]
     config = make_config(["none", "pld"])
     full = run_jobs(config, target, methods, QUESTIONS, tmp_path)
     assert len(full) == 6 and CountingMethod.calls == 6 + 2  # 3 question-turns x 2 methods, plus warm-up
@@ -110,15 +110,33 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path):
 
 def test_second_turn_sees_the_methods_own_first_answer(tmp_path):
     target = tiny_model("llama", vocab=64)
-    methods = [EngineMethod("none", target, build_drafter("none", target))]
+    methods = [EngineMethod("none", target, lambda: build_drafter("none", target))]
     records = run_jobs(make_config(["none"]), target, methods, QUESTIONS[:1], tmp_path)
     first, second = sorted(records, key=lambda r: r["turn"])
     assert second["prompt_tokens"] > first["prompt_tokens"] + 4  # the answer is in the second prompt
 
 
+def test_every_repeat_starts_without_memory_of_earlier_answers(tmp_path):
+    """suffix keeps a tree of earlier answers (SuffixDecoding's global tree): within a repeat it learns from the
+    earlier questions, but a second repeat must not draft from the first repeat's answers to the same questions."""
+    target = tiny_model("qwen2", vocab=64)
+    methods = [EngineMethod("suffix", target, lambda: build_drafter("suffix", target))]
+    config = make_config(["suffix"])
+    config.repeats = 2
+    records = run_jobs(config, target, methods, QUESTIONS, tmp_path)
+    by_repeat = [[r for r in records if r["repeat"] == repeat] for repeat in (0, 1)]
+    assert [r["accepted_tokens"] for r in by_repeat[0]] == [r["accepted_tokens"] for r in by_repeat[1]]
+    # without the reset, the memory of repeat 0 (which holds the whole answers) is drafted from in repeat 1
+    methods[0].new_repeat = lambda: None
+    (tmp_path / "remembered").mkdir()
+    remembered = run_jobs(config, target, methods, QUESTIONS, tmp_path / "remembered")
+    assert sum(r["accepted_tokens"] for r in remembered if r["repeat"] == 1) > sum(
+        r["accepted_tokens"] for r in by_repeat[1])
+
+
 def test_report_files(tmp_path):
     target = tiny_model("gemma3", vocab=64)
-    methods = [EngineMethod(m, target, build_drafter(m, target)) for m in ("none", "pld")]
+    methods = [EngineMethod(m, target, lambda m=m: build_drafter(m, target)) for m in ("none", "pld")]
     config = make_config(["none", "pld"])
     records = run_jobs(config, target, methods, QUESTIONS, tmp_path)
     machine = {"cpu": "test cpu", "threads": 2, "platform": "test", "torch": "x", "transformers": "y"}
@@ -178,7 +196,7 @@ def test_llama_cpp_rows_need_a_gguf_model():
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llama_cpp_rows_run_in_the_bench(smollm2, tmp_path):
-    methods = [EngineMethod("none", smollm2, build_drafter("none", smollm2))]
+    methods = [EngineMethod("none", smollm2, lambda: build_drafter("none", smollm2))]
     methods += [build_method(spec, smollm2, load=None) for spec in ("llama.cpp", "llama.cpp-pld")]
     config = BenchConfig(model=smollm2.name, methods=[m.label for m in methods], question_ids=[1, 2],
                          groups=["mt_bench", "summarization"], max_new_tokens=8, dtype="float32")

@@ -145,3 +145,29 @@ def test_tree_masks_used_here_are_ancestor_masks():
     mask = ancestor_mask(with_root(TREE.parents))
     for node, path in enumerate(node_paths(TREE, 0)):
         assert int(mask[node].sum()) == len(path)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8", "none"])
+def test_selected_outputs_are_the_same_numbers(quant):
+    """A draft vocabulary's slice of an LM head computes what the whole head computes for those rows: bit for bit
+    with quantized weights (the same bytes through the same column-wise kernels), up to torch's rounding if dense."""
+    torch.manual_seed(2)
+    weight, x = torch.randn(70, 128) * 0.05, torch.randn(3, 128)
+    layer = Linear.of(weight, None, quant, torch.float32)
+    ids = torch.tensor([0, 3, 17, 18, 40, 69])
+    sliced, whole = layer.select_outputs(ids)(x), layer(x)[:, ids]
+    assert sliced.shape == (3, 6)
+    assert torch.equal(sliced, whole) if quant != "none" else torch.allclose(sliced, whole, atol=1e-6)
+
+
+def test_rotary_kernel_matches_torch_and_is_the_same_on_every_path():
+    from specdecode.models.native.ops import RotaryTable, apply_rotary, inverse_frequencies
+
+    torch.manual_seed(3)
+    table = RotaryTable(inverse_frequencies(64, 10000.0), torch.float32)
+    positions = torch.tensor([[5, 6, 6, 300], [0, 1, 2, 3]])  # [B, q]: a tree repeats a position
+    cos, sin = table(positions)  # [B, 1, q, D]
+    x = torch.randn(2, 4, 6, 64).transpose(1, 2)  # [B, H=6, q=4, D], strided like the model's q/k heads
+    outputs = [on(isa).rotary(x, cos[:, 0].contiguous(), sin[:, 0].contiguous()) for isa in PATHS]
+    assert torch.allclose(outputs[0], apply_rotary(x, cos, sin), atol=1e-6)
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:]), f"paths {PATHS} disagree"

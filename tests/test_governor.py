@@ -132,3 +132,16 @@ def test_capped_steps_verify_narrow_drafts():
     assert spec == plain == uncapped_spec
     assert uncapped.drafted_tokens > 2 * (uncapped.target_forwards - 1)  # wide when free
     assert 0 < stats.drafted_tokens <= 2 * (stats.target_forwards - 1)
+
+
+def test_the_next_request_starts_from_what_was_learned():
+    governor = Governor()
+    run(governor, 40, spec_seconds=4.0, spec_tokens=1)  # learned: speculation loses, resting
+    following = governor.for_next_request()
+    assert following.plain_rate == governor.plain_rate and following.cap == 1
+    assert following.rest <= following.first_rest  # probes again soon: the new text may suit the drafter
+    fresh = run(Governor(), 10, spec_seconds=1.2, spec_tokens=4)
+    assert fresh[:2] == [0, 0]  # a fresh governor measures the plain rate first...
+    winning = Governor()
+    run(winning, 20, spec_seconds=1.2, spec_tokens=4)
+    assert run(winning.for_next_request(), 10, spec_seconds=1.2, spec_tokens=4)[:2] == [None, None]  # ...not again

@@ -275,9 +275,17 @@ def leaky_residual(target_probs, draft_probs):
     return 0.5 * (residual(target_probs, draft_probs) + target_probs)
 
 
+def sequence_mask(parents: torch.Tensor) -> torch.Tensor:
+    """A planted bug, a mask leak: the tree verified as one sequence, so every node also sees the nodes drafted before
+    it on other branches (its earlier siblings' subtrees)."""
+    n = parents.shape[0]
+    return torch.ones(n, n, dtype=torch.bool).tril()  # [N+1, N+1]
+
+
 PLANTED = {
     "bias at depth 3": ("specdecode.engine.verifier_for", lambda params: DeepBias()),
     "leaky residual": ("specdecode.verify.rejection.residual", leaky_residual),
+    "mask leak": ("specdecode.models.base.ancestor_mask", sequence_mask),
 }
 
 
@@ -286,6 +294,7 @@ PLANTED = {
     [
         ("bias at depth 3", "pld", {}), ("bias at depth 3", "draft", {"depth": 3, "topk": 3, "budget": 7}),
         ("leaky residual", "recycling", {}), ("leaky residual", "draft", {"depth": 3, "topk": 1}),
+        ("mask leak", "suffix", {}),  # its trees' later branches are accepted often
     ],
 )
 def test_planted_engine_bugs_fail_the_test(engine_setup, monkeypatch, bug, name, variant):

@@ -155,6 +155,18 @@ def test_disconnect_mid_stream_cancels_and_others_keep_being_served(server, clie
                                           max_tokens=5, temperature=0).choices[0].message.content
 
 
+def test_an_abandoned_request_is_cancelled(server):
+    """A client that gives up on a (non-streamed) request: the server stops decoding it and frees its slot."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+            "max_tokens": 4000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
+    deadline = time.time() + 10  # 4000 tokens would take minutes
+    while httpx.get(server + "/health").json()["active_requests"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server + "/health").json()["active_requests"] == 0
+
+
 @pytest.mark.parametrize("backend_server", ["server", "hf_server"])
 def test_concurrent_requests_are_batched_and_each_gets_its_answer_alone(request, backend_server):
     server = request.getfixturevalue(backend_server)

@@ -54,6 +54,7 @@ class SpecDecoder:
             self.draft_model = load_model(draft_model, dtype, backend, quant if draft_quant is None else draft_quant)
         self.drafter_options = drafter_options
         self.governed = governor
+        self.last_governor: Governor | None = None
         self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer
 
@@ -63,8 +64,12 @@ class SpecDecoder:
         return tuned_drafter(self.drafter_name, self.target, draft_model=self.draft_model, **self.drafter_options)
 
     def governor(self) -> Governor | None:
-        """A fresh governor for one generation (none for plain decoding, or when turned off)."""
-        return Governor() if self.governed and self.drafter.max_nodes else None
+        """The governor of the next generation (none for plain decoding, or when turned off), carrying what the
+        previous ones learned on this machine."""
+        if not (self.governed and self.drafter.max_nodes):
+            return None
+        self.last_governor = self.last_governor.for_next_request() if self.last_governor else Governor()
+        return self.last_governor
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt: ids as they are, text, or chat messages (with the model's chat template)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -36,8 +36,15 @@ class Governor:
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
 
     def __post_init__(self):
-        self.next_rest = self.first_rest
-        self.rest = 2  # measure the plain rate first
+        self.next_rest = self.next_rest or self.first_rest
+        if self.plain_rate is None:
+            self.rest = 2  # measure the plain rate first
+
+    def for_next_request(self) -> "Governor":
+        """The governor of the next generation with the same drafter on this machine: it keeps the plain rate and
+        the depth cap it learned (no plain steps spent measuring again, no full-depth window lost relearning a cap),
+        and probes again within `first_rest` steps if it was resting (the new text may suit the drafter)."""
+        return replace(self, recent=deque(), since_plain=0, wins=0, rest=min(self.rest, self.first_rest))
 
     def plan(self) -> int | None:
         """This step's draft depth cap: 0 = a plain step (no drafting), None = no cap."""

@@ -34,14 +34,26 @@ class Method(ABC):
     def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
         """Generate; return a record with token_ids, new_tokens, seconds and whatever statistics it has."""
 
+    def new_repeat(self) -> None:
+        """Forget what earlier generations taught it (a drafter's memory across requests), so that every repeat
+        of a run measures the same thing."""
+
 
 class EngineMethod(Method):
-    def __init__(self, label: str, target: CausalLM, drafter, governed: bool = True):
-        self.label, self.target, self.drafter = label, target, drafter
-        self.governed = governed and drafter.max_nodes > 0  # as the API runs it: plain steps where drafting loses
+    def __init__(self, label: str, target: CausalLM, make_drafter, governed: bool = True):
+        self.label, self.target, self.make_drafter = label, target, make_drafter
+        self.drafter = make_drafter()
+        self.governed = governed and self.drafter.max_nodes > 0  # as the API runs it: plain steps where drafting loses
+        self.governor: Governor | None = None
+
+    def new_repeat(self) -> None:
+        self.drafter = self.make_drafter()  # suffix's and hierarchy's trees of earlier answers start empty again
+        self.governor = None
 
     def run(self, prompt_ids, max_new_tokens, params):
-        governor = Governor() if self.governed else None
+        if self.governed:  # carried from one generation to the next, as the API does
+            self.governor = self.governor.for_next_request() if self.governor else Governor()
+        governor = self.governor if self.governed else None
         tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params, governor=governor)
         record = stats.as_dict()
         record["token_ids"] = tokens
@@ -127,8 +139,7 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
     draft = draft_model or None  # a head drafter reads its folder itself
     if draft_model and not DRAFTERS[name].takes_draft_folder:
         draft = load(draft_model, weights or None, draft=True)
-    drafter = tuned_drafter(name, target, draft_model=draft, **options)
-    return EngineMethod(spec, target, drafter, governed)
+    return EngineMethod(spec, target, lambda: tuned_drafter(name, target, draft_model=draft, **options), governed)
 
 
 def _transformers_method(spec: str, head: str, target: CausalLM, load) -> Method:

@@ -116,7 +116,12 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
         _warm_up(target, methods, config)
     answers = {(r["method"], r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in records}
     with open(records_path, "a") as sink, tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="bench", unit="gen") as bar:
+        current = None
         for repeat, q, turn, method in todo:
+            if repeat != current:  # each repeat starts from drafters without memory of earlier answers
+                current = repeat
+                for each in methods:
+                    each.new_repeat()
             bar.set_postfix_str(f"{method.label} q{q.question_id} t{turn + 1}")
             prompt = _prompt_ids(target, q, turn, [answers[(method.label, q.question_id, t, repeat)] for t in range(turn)])
             params = SamplingParams(config.temperature, config.top_k, config.top_p, seed=_seed(config, q, turn, repeat))

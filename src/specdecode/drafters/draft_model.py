@@ -8,12 +8,14 @@ ancestors' uncommitted cache entries. Like every drafter it also takes `lookup` 
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 import torch
 
-from ..errors import SpecDecodeError
+from ..errors import OptionError, SpecDecodeError
 from ..models.base import CausalLM, prefill
+from ..models.native.linear import Linear
 from ..sampling import SamplingParams
 from ..tree import Draft
 from .base import Drafter, register
@@ -31,6 +33,7 @@ class DraftModelDrafter(Drafter):
         {"structure": "sequoia", "budget": 6, "depth": 4, "length": "thompson"},
         {"topk": 1, "depth": 6, "length": "confidence", "threshold": 0.3},
         {"topk": 1, "depth": 4, "lookup": 2, "lookup_nodes": 6},
+        {"topk": 2, "depth": 3, "vocab": 40},  # a draft vocabulary: the first 40 ids (tiny models have 64)
     )
     tune_grid = (
         {"depth": 3, "topk": 1}, {"depth": 5, "topk": 1}, {"depth": 4, "topk": 2, "budget": 8},
@@ -45,11 +48,11 @@ class DraftModelDrafter(Drafter):
     def __init__(
         self, target: CausalLM, draft_model: CausalLM, structure: str = "eagle2", depth: int = 4, topk: int = 2,
         budget: int = 8, length: str = "fixed", threshold: float = 0.4, min_gain: float = 0.1,
-        accept: str = "0.7,0.1,0.04,0.02",
+        accept: str = "0.7,0.1,0.04,0.02", vocab: int = 0,
     ):
         self.tree = TreeStrategy(structure, depth, topk, budget, length, threshold, min_gain, accept)
         check_same_vocabulary(target, draft_model)
-        self.model = draft_model
+        self.model = with_draft_vocabulary(draft_model, vocab) if vocab else draft_model
         self.max_nodes = self.tree.max_nodes
         self.cache = None
 
@@ -60,7 +63,8 @@ class DraftModelDrafter(Drafter):
         cache = self.cache
         cache.truncate(len(context) - 1)  # drop what the target did not accept; keep the shared prefix
         root_logits = prefill(self.model, cache, context[cache.length :])  # [V]
-        draft = self.tree.grow(_CacheExpansion(self.model, cache, len(context)), root_logits, params, generator, self.depth_limit)
+        expansion = _CacheExpansion(self.model, cache, len(context))
+        draft = self.tree.grow(expansion, root_logits, params, generator, self.depth_limit)
         cache.discard()
         return draft
 
@@ -87,6 +91,51 @@ class _CacheExpansion:
         ids = torch.tensor([tree.tokens[n] for n in frontier])
         positions = torch.full((f,), self.context_len + depth - 1)
         return self.model.forward(self.cache, ids, positions, mask)
+
+
+@lru_cache(maxsize=8)
+def with_draft_vocabulary(model: CausalLM, size: int) -> CausalLM:
+    """The draft model scoring only a draft vocabulary: the first `size` token ids (byte-pair encoders number the
+    merges they learned first, the frequent ones, lowest) and the special tokens. Its LM head reads those rows
+    only, the largest saving of a small model's forward (its vocabulary is the target's); the others get -inf,
+    so the draft never proposes them (a draft, greedy or sampled, may leave out any token: still lossless)."""
+    if size < 1:
+        raise OptionError(f"vocab={size}: the draft vocabulary needs at least one token.", "Use vocab=0 (all) or > 0.")
+    vocab_size = model.vocab_size
+    specials = set(getattr(model.tokenizer, "all_special_ids", [])) | set(model.eos_token_ids)
+    ids = torch.tensor(sorted(set(range(min(size, vocab_size))) | {i for i in specials if i < vocab_size}))
+    if not isinstance(getattr(model, "lm_head", None), Linear):  # not ours to slice: the same draft, no saving
+        return _MaskedLogits(model, ids)
+    restricted = copy.copy(model)  # shares the blocks and weights; only the head differs
+    restricted.lm_head = _VocabularyHead(model.lm_head.select_outputs(ids), ids, vocab_size)
+    return restricted
+
+
+class _MaskedLogits:
+    """A model whose logits are -inf off the draft vocabulary (for models whose LM head is not a native Linear)."""
+
+    def __init__(self, model: CausalLM, ids: torch.Tensor):
+        self.model, self.ids = model, ids
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:  # [..., V]
+        logits = self.model.forward(*args, **kwargs)
+        masked = torch.full_like(logits, float("-inf"))
+        masked[..., self.ids] = logits[..., self.ids]
+        return masked
+
+
+class _VocabularyHead:
+    def __init__(self, rows: Linear, ids: torch.Tensor, vocab_size: int):
+        self.rows, self.ids, self.vocab_size = rows, ids, vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, d] -> [M, V], -inf off the draft vocabulary
+        scores = self.rows(hidden)  # [M, n]
+        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=scores.dtype)
+        logits[:, self.ids] = scores
+        return logits
 
 
 @lru_cache(maxsize=8)

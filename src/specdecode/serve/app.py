@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -13,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 
 from ..api import SpecDecoder
 from ..engine import Stats, check_prompt, decode_steps
@@ -20,6 +23,9 @@ from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from ..text import TextAssembler
 from .scheduler import DONE, Scheduler
+
+log = logging.getLogger("specdecode.serve")
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this gets a 413 before it is read in full
 
 
 class Message(BaseModel):
@@ -58,16 +64,68 @@ class CompletionRequest(SamplingRequest):
     prompt: str
 
 
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code=None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def internal_error(exc: Exception) -> dict:
+    """The OpenAI error body of a failure inside the server (a drafter or model that raised); logged with its
+    traceback, since the client gets one line."""
+    log.error("request failed", exc_info=exc)
+    return error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over max_bytes gets a 413 with an OpenAI error body without being read in full,
+    at once when its Content-Length says so, else as soon as the bytes received pass the limit. (Starlette's own
+    limit answers in plain text.)"""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+        self.message = f"the request body is larger than this server takes ({max_bytes} bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await error(413, self.message)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self.message)  # FastAPI passes it on to http_error below
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 def create_app(
-    decoder: SpecDecoder, model_name: str, api_key: str | None = None, default_max_tokens: int = 512, max_batch: int = 8
+    decoder: SpecDecoder, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
+    max_batch: int = 8, max_body_bytes: int = MAX_BODY_BYTES,
 ):
     app = FastAPI(title="specdecode", version="0.1")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     scheduler = Scheduler(decoder.target, max_batch)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        """FastAPI's own refusals (a body that is not UTF-8, too large, an unknown path) as OpenAI error bodies."""
+        if isinstance(exc.__cause__, HTTPException):  # BodyLimit's 413, wrapped by FastAPIs that wrap it
+            exc = exc.__cause__
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def server_error(request, exc: Exception):
+        return JSONResponse(internal_error(exc), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request, exc: RequestValidationError):
@@ -89,8 +147,9 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "active_requests": scheduler.active, "max_batch": scheduler.max_batch,
-                "batches": scheduler.batches, "batched_requests": scheduler.batched_requests}
+        return {"status": "ok", "active_requests": scheduler.active, "cache_slots": scheduler.slots,
+                "max_batch": scheduler.max_batch, "batches": scheduler.batches,
+                "batched_requests": scheduler.batched_requests}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -117,9 +176,11 @@ def create_app(
         if body.stream:
             return StreamingResponse(sse(run, builder), media_type="text/event-stream")
         try:
-            text = "".join([piece async for piece in run.pieces(request)])
+            text = await run.answer(request)
         except SpecDecodeError as exc:
             return error(400, str(exc))
+        except Exception as exc:  # a drafter or the model raised: its slot is already freed
+            return JSONResponse(internal_error(exc), status_code=500)
         if run.cancelled:
             return error(499, "client closed the request")
         headers = {"x-specdecode-tau": f"{run.stats.tau:.3f}"}
@@ -142,10 +203,27 @@ class Run:
         loop = asyncio.get_running_loop()
         self.job = scheduler.submit(steps, lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item))
 
-    async def pieces(self, request: Request | None = None) -> AsyncIterator[str]:
+    async def answer(self, request: Request) -> str:
+        """The whole text, for a response sent at the end; the job is cancelled as soon as the client goes away
+        (Request.is_disconnected cannot see that behind an http middleware, so a task waits for the message)."""
+        watch = asyncio.ensure_future(self._cancel_on_disconnect(request))
+        try:
+            return "".join([piece async for piece in self.pieces()])
+        finally:
+            watch.cancel()
+
+    async def _cancel_on_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.cancelled = True
+        self.queue.put_nowait(DONE)  # ends pieces(), which cancels the job
+
+    async def pieces(self) -> AsyncIterator[str]:
         try:
             while True:
                 item = await self.queue.get()
+                if self.cancelled:
+                    return
                 if item is DONE:
                     self.finish_reason = self.stats.finish_reason or "length"
                     if rest := self.text.flush():
@@ -153,9 +231,6 @@ class Run:
                     return
                 if isinstance(item, Exception):
                     raise item
-                if request is not None and await request.is_disconnected():
-                    self.cancelled = True
-                    return
                 piece = self.text.add(item)
                 if piece:
                     yield piece
@@ -209,7 +284,10 @@ async def sse(run: Run, builder: ResponseBuilder) -> AsyncIterator[str]:
         async for piece in run.pieces():
             yield f"data: {json.dumps(builder.chunk(piece))}\n\n"
     except SpecDecodeError as exc:
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
+        yield f"data: {json.dumps(error_body(str(exc)))}\n\n"
+        return
+    except Exception as exc:  # a drafter or the model raised mid-stream: the status line is sent, so say it here
+        yield f"data: {json.dumps(internal_error(exc))}\n\n"
         return
     finally:
         run.job.cancel()  # the client went away mid-stream: stop decoding and free the caches

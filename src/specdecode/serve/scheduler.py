@@ -61,6 +61,11 @@ class Scheduler:
     def active(self) -> int:
         return len(self._jobs)
 
+    @property
+    def slots(self) -> int:
+        """KV cache slots held in the pool (0 when no request is running: a leak shows here)."""
+        return len(self.pool.caches)
+
     def _run(self) -> None:
         while True:
             with self._wake:

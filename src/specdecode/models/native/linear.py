@@ -52,6 +52,15 @@ class Linear:
             return self.dense.float()
         return dequantize(self.packed, self.quant)[: self.out_features]
 
+    def select_outputs(self, ids: torch.Tensor) -> "Linear":
+        """The layer of the output features `ids` [n] only (a draft vocabulary's rows of an LM head). Quantized, the
+        packed bytes are moved, not re-quantized, and each of those outputs gets the same numbers bit for bit."""
+        tensors = {"bias": self.bias[ids]} if self.bias is not None else {}
+        if self.packed is None:
+            return Linear({"dense": self.dense[ids].contiguous(), **tensors}, "none")
+        packed = _select_columns(self.packed, self.quant, ids)
+        return Linear({"packed": packed, "shape": torch.tensor([len(ids), self.in_features]), **tensors}, self.quant)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.dense is not None:
             y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
@@ -140,6 +149,25 @@ def dequantize(packed: torch.Tensor, quant: str) -> torch.Tensor:
         codes = data.contiguous().view(torch.int8).reshape(tiles * TILE, blocks, GROUP).float()
         weight = codes * scales[..., None]
     return weight.reshape(tiles * TILE, blocks * GROUP)
+
+
+def _select_columns(packed: torch.Tensor, quant: str, ids: torch.Tensor) -> torch.Tensor:
+    """[tiles, K/G, bytes] -> the same layout holding only output columns `ids` (zero columns pad the last tile)."""
+    tiles, blocks, size = packed.shape
+    chunks = 4 if quant == "int4" else 8
+    n = ids.shape[0]
+    padded = -(-n // TILE) * TILE
+    codes = packed[..., : chunks * 64].reshape(tiles, blocks, chunks, TILE, 4).permute(0, 3, 1, 2, 4)
+    codes = codes.reshape(tiles * TILE, blocks, chunks, 4)[ids]  # [n, K/G, c, i]
+    numbers = packed[..., chunks * 64 :].reshape(tiles, blocks, -1, TILE, 2).permute(0, 3, 1, 2, 4)
+    numbers = numbers.reshape(tiles * TILE, blocks, -1, 2)[ids]  # [n, K/G, scale|min, 2 bytes]
+    codes = F.pad(codes, (0, 0, 0, 0, 0, 0, 0, padded - n))
+    numbers = F.pad(numbers, (0, 0, 0, 0, 0, 0, 0, padded - n))
+    codes = codes.reshape(padded // TILE, TILE, blocks, chunks, 4).permute(0, 2, 3, 1, 4)
+    numbers = numbers.reshape(padded // TILE, TILE, blocks, -1, 2).permute(0, 2, 3, 1, 4)
+    out = torch.cat([codes.reshape(padded // TILE, blocks, -1), numbers.reshape(padded // TILE, blocks, -1)], -1)
+    assert out.shape[-1] == size
+    return out.contiguous()
 
 
 def _scales(raw: torch.Tensor) -> torch.Tensor:  # [tiles, K/G, 32] uint8 -> [tiles*16, K/G] float32
