@@ -136,29 +136,42 @@ def tiny_target_with(tokenizer, vocab_size: int, seed: int = 3):
     return target
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("name", HETERO)
-def test_smollm2_drafts_for_a_target_of_another_vocabulary(smollm2, name):
-    """SmolLM2 (49k byte-level vocabulary) drafts for a tiny target of the 64-token test vocabulary."""
+@pytest.fixture(scope="module")
+def tiny_bpe_target():
+    """(a tiny target of the 64-token test vocabulary, a prompt, plain decoding's answer)."""
     target = tiny_target_with(foreign_tokenizers()[0], 64)
     prompt = target.tokenizer.encode("the cat sat on the mat and the rat")
-    plain, _ = generate(target, build_drafter("none", target), prompt, 32, GREEDY)
+    return target, prompt, generate(target, build_drafter("none", target), prompt, 32, GREEDY)[0]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", HETERO)
+def test_smollm2_drafts_for_a_target_of_another_vocabulary(smollm2, tiny_bpe_target, name):
+    """SmolLM2 (49k byte-level vocabulary) drafts for a tiny target of the 64-token test vocabulary."""
+    target, prompt, plain = tiny_bpe_target
     spec, stats = generate(target, build_drafter(name, target, draft_model=smollm2), prompt, 32, GREEDY)
     assert spec == plain and stats.drafted_tokens > 0
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("name", HETERO)
-def test_smollm2_target_with_a_draft_of_another_vocabulary(smollm2, name):
-    """The reverse: SmolLM2 is the target, a perturbed SmolLM2 under another tokenizer drafts (its pieces without
-    the last 5000 merges, under other ids; the weights' rows moved with them), so drafts get accepted."""
+@pytest.fixture(scope="module")
+def smollm2_reverse(smollm2):
+    """(draft model of another tokenizer, prompt, plain decoding's answer) for SmolLM2 as the target: a perturbed
+    SmolLM2 under another tokenizer (its pieces without the last 5000 merges, under other ids; the weights' rows
+    moved with them), so drafts get accepted."""
     draft_model = perturbed_copy(smollm2, scale=0.02, seed=4)
     draft_model.tokenizer = renumbered(smollm2.tokenizer)
     draft_model = reindexed(draft_model, smollm2.tokenizer)
     prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}],
                                                    add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    plain, _ = generate(smollm2, build_drafter("none", smollm2), prompt, 40, GREEDY)
+    return draft_model, prompt, generate(smollm2, build_drafter("none", smollm2), prompt, 40, GREEDY)[0]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", HETERO)
+def test_smollm2_target_with_a_draft_of_another_vocabulary(smollm2, smollm2_reverse, name):
+    """The reverse: SmolLM2 is the target and the draft model speaks another tokenizer (smollm2_reverse)."""
+    draft_model, prompt, plain = smollm2_reverse
     spec, stats = generate(smollm2, build_drafter(name, smollm2, draft_model=draft_model), prompt, 40, GREEDY)
     assert spec == plain
     assert stats.accepted_tokens > 10  # the foreign draft agrees with the target often
