@@ -14,6 +14,8 @@ time, so only the request at fault fails.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 from collections.abc import Callable, Generator
 
@@ -21,6 +23,24 @@ from ..cache import KVPool
 from ..models.base import CausalLM, ForwardRequest
 
 DONE = object()  # sent after a job's last item
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def return_free_memory() -> None:
+    """Give the allocator's free pages back to the OS. glibc keeps what a burst of long requests freed (KV caches,
+    activations) in its heaps, so without this an idle server would hold its peak memory. Called when the last
+    request leaves, so it delays no one."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class Job:
@@ -143,4 +163,6 @@ class Scheduler:
             self._waiting.sort(key=lambda waiting: self.pool.slot(waiting.request.cache))
             job.request = None
         with self._wake:
+            if self._jobs == {job}:  # the last one: what the burst freed goes back before the server reports idle
+                return_free_memory()
             self._jobs.discard(job)

@@ -274,6 +274,19 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def settled_rss_mb(pid: int, seconds: float = 10) -> float:
+    """Resident memory once it stops falling (the server frees what the last requests held as their handlers and
+    connections close, after /health already reports it idle), or after `seconds`."""
+    last, deadline = rss_mb(pid), time.time() + seconds
+    while time.time() < deadline:
+        time.sleep(0.5)
+        now = rss_mb(pid)
+        if abs(now - last) < 1:
+            return now
+        last = now
+    return last
+
+
 def settle(url: str, seconds: float = 30) -> tuple[dict, float]:
     """(/health, seconds waited) once no request is left on the server (abandoned requests end at their next step),
     or after `seconds` (abandoned long requests that were not cancelled would still be running)."""
@@ -305,7 +318,7 @@ def run_soak(url: str, server_pid: int, clients: int, duration: float, seed: int
             thread.join(max(0.0, sample_at - time.time()))
         report.rss_mb_every_10s.append(rss_mb(server_pid))
     report.seconds = time.perf_counter() - begin
-    (report.health_after, report.settle_seconds), report.rss_after_mb = settle(url), rss_mb(server_pid)
+    (report.health_after, report.settle_seconds), report.rss_after_mb = settle(url), settled_rss_mb(server_pid)
     batches = report.health_after["batches"] - report.health_before["batches"]
     if batches:
         report.mean_batch = (report.health_after["batched_requests"] - report.health_before["batched_requests"]) / batches
