@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def start_server(*extra: str):
         [sys.executable, "-m", "specdecode.cli", "serve", "--model", MODEL, "--drafter", "pld", "--dtype", "float32",
          "--port", str(port), "--api-key", KEY, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),  # the test process shares the CPU: no thread waits at a barrier
     )
     base = f"http://127.0.0.1:{port}"
     for _ in range(240):
