@@ -93,30 +93,34 @@ def test_any_plan_is_lossless(name):
     assert stats.plain_steps >= 5
 
 
-def test_capped_steps_draft_no_deeper_than_kept():
+@pytest.mark.parametrize("name,options", [("draft", {"topk": 1}), ("slem", {}), ("tli", {}), ("slrs", {})])
+def test_capped_steps_draft_no_deeper_than_kept(name, options):
     """Under a cap the engine tells the drafter how deep it keeps (depth_limit), and a model-based drafter stops
-    growing there instead of expanding levels that would be trimmed."""
-    target, draft_model = tiny_pair("qwen2:native", seed=5)
-    drafter = build_drafter("draft", target, draft_model=draft_model, depth=4, topk=1)
-    levels = []
-    forward = draft_model.forward
-
-    def counting(cache, input_ids, *args, **kwargs):  # one draft-model forward per expanded level (and the root)
-        levels.append(int(input_ids.shape[0]))
-        return forward(cache, input_ids, *args, **kwargs)
-
-    draft_model.forward = counting
+    growing there instead of expanding levels that would be trimmed: capped at one level, a depth-4 drafter runs
+    exactly the draft-model forwards of a depth-1 one."""
+    pair = tiny_foreign_pair if DRAFTERS[name].foreign_vocabulary else tiny_pair
+    target, draft_model = pair("qwen2:native", seed=5)
     prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9, 4, 17, 3, 9]
     plain, _ = generate(target, build_drafter("none", target), prompt, 30, GREEDY)
+    forward = draft_model.forward
+
+    def draft_forwards(depth: int, governor: Governor | None) -> int:
+        calls = []
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return forward(*args, **kwargs)
+
+        draft_model.forward = counting
+        drafter = build_drafter(name, target, draft_model=draft_model, depth=depth, **options)
+        spec, stats = generate(target, drafter, prompt, 30, GREEDY, governor=governor)
+        assert spec == plain
+        assert stats.drafted_tokens <= stats.target_forwards - 1  # nothing deeper than 1 reached the target
+        return len(calls)
+
     capped = Governor()
     capped.plan = lambda: 1  # every step keeps a one-token draft
-    spec, stats = generate(target, drafter, prompt, 30, GREEDY, governor=capped)
-    assert spec == plain
-    steps = stats.target_forwards - 1
-    assert stats.drafted_tokens <= steps  # nothing deeper than 1 reached the target
-    # one draft-model forward per step (extending to the root); without the limit, 3 more per step expand levels
-    # 2..4 that the engine would trim
-    assert len(levels) <= steps
+    assert draft_forwards(4, capped) == draft_forwards(1, None)
 
 
 def test_capped_steps_verify_narrow_drafts():

@@ -1,5 +1,5 @@
 """The server under faults: a drafter that raises, bodies it cannot read, and a bounded soak of concurrent clients
-mixing good requests with every fault (specdecode.serve.soak; benchmarks/soak.py runs it longer)."""
+mixing good requests with every fault (specdecode.serve.soak; benchmarks/soak.py runs it longer, as a report)."""
 
 from __future__ import annotations
 

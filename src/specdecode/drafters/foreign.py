@@ -183,6 +183,7 @@ class ForeignDrafter(Drafter):
 
     needs_draft_model = True
     foreign_vocabulary = True
+    sizes = {"depth": "depth"}
 
     def __init__(self, target: CausalLM, draft_model: CausalLM, depth: int = 6, length: str = "fixed",
                  threshold: float = 0.4):
@@ -195,6 +196,12 @@ class ForeignDrafter(Drafter):
 
     def start(self, prompt_ids, capacity):
         self.view.start(2 * capacity + 4 * self.depth)
+
+    def levels(self) -> int:
+        """Tokens to draft this step: the length policy's depth, no deeper than the engine keeps (depth_limit), so
+        a governor's cap also cuts the draft model's forwards."""
+        depth = self.length.depth()
+        return depth if self.depth_limit is None else max(1, min(depth, self.depth_limit))
 
     def commit(self, verdict, draft, target_logits) -> None:
         drafted = len(draft)

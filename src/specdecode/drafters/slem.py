@@ -49,12 +49,13 @@ class SLEMDrafter(ForeignDrafter):
     def continue_text(self, logits: torch.Tensor, params: SamplingParams, generator) -> str:
         """The draft model's continuation (greedy, or sampled as the request samples), as text."""
         tokens, parent, confidence = [], -1, 1.0
-        for level in range(self.length.depth()):
+        levels = self.levels()
+        for level in range(levels):
             probs = probs_from_logits(logits, params)  # [Vd]; one-hot when greedy
             token = int(torch.multinomial(probs, 1, generator=generator)) if not params.greedy else int(probs.argmax())
             tokens.append(token)
             confidence *= float(torch.softmax(logits.float(), -1)[token])
-            if level + 1 == self.length.depth() or not self.length.grow(confidence):
+            if level + 1 == levels or not self.length.grow(confidence):
                 break
             logits = self.view.grow([token], [parent])[0]
             parent += 1

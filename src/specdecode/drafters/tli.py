@@ -49,7 +49,8 @@ class TLIDrafter(ForeignDrafter):
         if logits is None:
             return Draft.empty()
         tokens, rows, node, confidence = [], [], -1, 1.0
-        for level in range(self.length.depth()):
+        levels = self.levels()
+        for level in range(levels):
             proposal = self.propose_level(logits, node, params)
             total = float(proposal.mass.sum())
             if total <= 0:  # the draft puts no mass on anything the target could say
@@ -60,7 +61,7 @@ class TLIDrafter(ForeignDrafter):
             tokens.append(token)
             rows.append(q)
             confidence *= float(q[token])
-            if level + 1 == self.length.depth() or not self.length.grow(confidence):
+            if level + 1 == levels or not self.length.grow(confidence):
                 break
             logits = self.view.grow([draft_token], [parent])[0]
             node = len(self.view.nodes) - 1
