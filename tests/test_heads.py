@@ -230,3 +230,39 @@ def test_batched_regeneration_gives_each_prompt_its_greedy_answer(target):
     batched = regenerate_answers(target, prompts, 10, batch=3)  # left-padded transformers generate
     alone = [generate(target, build_drafter("none", target), p, 10, GREEDY)[0] for p in prompts]
     assert batched == alone
+
+
+def test_eagle3_prompt_positions_count_by_their_weight(target):
+    from specdecode.train.losses import eagle3_loss
+    from specdecode.train.trainer import frozen_tensors, make_batches
+
+    store_rows = torch.Generator().manual_seed(3)
+    n, d = 12, target.embed(torch.zeros(1, dtype=torch.long)).shape[-1]
+    seq = {"ids": torch.randint(0, target.vocab_size, (n,), generator=store_rows), "prompt_len": 6,
+           "last": torch.randn(n, d, generator=store_rows), "fused": torch.randn(n, 3 * d, generator=store_rows)}
+    head = new_head("eagle3", target)
+    frozen = frozen_tensors("eagle3", target, head)
+    changed = {**seq, "last": seq["last"].clone()}
+    changed["last"][:4] += 5.0  # the target's distributions at the prompt's first positions only
+    for weight, moves in ((0.0, False), (1.0, True)):
+        losses = [float(eagle3_loss(head, make_batches([s], 1)[0], frozen, 2, prompt_weight=weight)[0].detach())
+                  for s in (seq, changed)]
+        assert (losses[0] != losses[1]) == moves
+
+
+def test_training_data_is_regenerated_until_max_tokens(target, tmp_path, monkeypatch):
+    from specdecode.train import trainer
+    from specdecode.train.data import Conversation
+    from specdecode.train.extract import Sequence
+
+    convs = [Conversation(str(i), "q", "a") for i in range(200)]
+    monkeypatch.setattr(trainer, "sharegpt_text", lambda: "")
+    monkeypatch.setattr(trainer, "split", lambda text, count, held: (convs, []))
+    # every other prompt is skipped (too long) and answers end early: the first guess falls short
+    monkeypatch.setattr(trainer, "chat_sequences", lambda target, chunk, *rest: [
+        Sequence([1] * 20, 10) for conv in chunk if int(conv.id) % 2 == 0])
+    kept = []
+    monkeypatch.setattr(FeatureStore, "extract", lambda self, target, sequences, *rest: kept.extend(sequences))
+    budget = Budget(max_tokens=1000, answer_tokens=40, max_prompt=40)
+    trainer.prepare_features("eagle", target, tmp_path, budget)
+    assert sum(len(s.ids) for s in kept) == 1000

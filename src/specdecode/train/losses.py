@@ -59,7 +59,8 @@ def eagle_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[tor
     return regression + 0.1 * token, {"acc": float(accuracy), "reg": float(regression.detach())}
 
 
-def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True) -> tuple[torch.Tensor, dict]:
+def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
+                prompt_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     ids, last, fused, valid = batch["ids"], batch["last"].float(), batch["fused"], batch["valid"]
     b, t = ids.shape[0], ids.shape[1] - 1  # rows: t = 0..T-2, one per (feature t, token t+1)
     draft_head = frozen["draft_lm_head"]  # [Vd, d]
@@ -69,6 +70,9 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True)
     pad = steps  # tokens, targets and masks padded so every step reads `t` rows
     ids_p = F.pad(ids, (0, pad))
     target_p = F.pad(target_logits, (0, 0, 0, pad))
+    prompt = batch["real"] & ~valid  # [B, T] the prompt's tokens
+    weight = (valid.float() + prompt_weight * prompt.float()) * in_vocab  # [B, T] of the token a row predicts
+    weight_p = F.pad(weight, (0, pad))
     ok = F.pad(valid & in_vocab, (0, pad))
     hidden = head.feature_input(fused[:, :-1])  # [B, t, d]
     kv = SequenceKV()
@@ -80,7 +84,7 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True)
         logits = head.draft_logits(hidden)  # [B, t, Vd]
         wanted = target_p[:, 1 + step : 1 + step + t]  # the target's distribution at position t+1+j
         rows = ok[:, 2 + step : 2 + step + t]  # the token predicted (t+2+j) is in the answer and drafteable
-        loss = masked_mean(soft_cross_entropy(wanted, logits), rows)
+        loss = masked_mean(soft_cross_entropy(wanted, logits), weight_p[:, 2 + step : 2 + step + t])
         total = total + (0.8**step) * loss
         metrics[f"acc{step}"] = float(masked_mean((logits.argmax(-1) == wanted.argmax(-1)).float(), rows))
     metrics["acc"] = metrics["acc0"]
@@ -122,11 +126,11 @@ def exit_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[torc
     return loss, {"acc": float(accuracy)}
 
 
-def head_loss(kind: str, head, batch: dict, frozen: dict, steps: int, train: bool = True):
+def head_loss(kind: str, head, batch: dict, frozen: dict, steps: int, train: bool = True, prompt_weight: float = 0.0):
     if kind == "eagle":
         return eagle_loss(head, batch, frozen, train)
     if kind == "eagle3":
-        return eagle3_loss(head, batch, frozen, steps, train)
+        return eagle3_loss(head, batch, frozen, steps, train, prompt_weight)
     if kind in EXIT_KINDS:
         return exit_loss(head, batch, frozen, train)
     return medusa_loss(head, batch, frozen, train)

@@ -32,13 +32,15 @@ from ..text import prompt_ids
 from .extract import FeatureStore, chat_sequences
 from .losses import head_loss
 
+REGENERATION_BATCH = 64  # prompts per batched generate (transformers backend): larger batches cost less per token
+
 
 @dataclass
 class Budget:
     """How much data and compute a run spends; defaults are the small budget (minutes on a 2-core CPU for a
     ~100M-parameter target)."""
 
-    max_tokens: int = 36_000  # training tokens (prompt + answer) extracted
+    max_tokens: int = 64_000  # training tokens (prompt + answer) extracted
     epochs: int = 5
     hours: float = 0.0  # wall-clock limit of this run's training (0 = none); rerun to continue
     answer_tokens: int = 96  # regenerated answer length
@@ -47,6 +49,7 @@ class Budget:
     draft_vocab: int = 8192  # eagle3, kangaroo, eesd
     exit_layer: int = 0  # kangaroo, eesd: the target layer whose input the head reads (0: heads.target's default)
     ttt_steps: int = 3  # eagle3: training-time-test steps
+    prompt_weight: float = 1.0  # eagle3: loss weight of the prompt's positions (the answer's weigh 1)
     medusa_heads: int = 3
     lr: float = 1e-3
     warmup: int = 10  # optimizer steps
@@ -98,15 +101,17 @@ def prepare_features(kind: str, target, out: Path, budget: Budget) -> FeatureSto
     if store.matches(settings) and store.complete:
         return store
     convs = split(sharegpt_text(), 10**9, budget.held_out)[0]
-    per_sequence = budget.max_prompt // 2 + budget.answer_tokens  # a first guess; trimmed to max_tokens below
-    convs = convs[: max(8, 2 * budget.max_tokens // per_sequence)]
-    sequences, total = [], 0
-    for seq in chat_sequences(target, convs[: budget.max_tokens // per_sequence + 1], budget.regenerate,
-                              budget.answer_tokens, budget.max_prompt, 16):
-        if total >= budget.max_tokens:
-            break
-        sequences.append(seq)
-        total += len(seq.ids)
+    per_sequence = budget.max_prompt // 2 + budget.answer_tokens  # a first guess of a sequence's length
+    sequences, total, first = [], 0, 0
+    while total < budget.max_tokens and first < len(convs):  # more conversations until max_tokens is reached
+        chunk = convs[first : first + max(8, (budget.max_tokens - total) // per_sequence + 1)]
+        first += len(chunk)
+        for seq in chat_sequences(target, chunk, budget.regenerate, budget.answer_tokens, budget.max_prompt,
+                                  REGENERATION_BATCH):
+            if total >= budget.max_tokens:
+                break
+            sequences.append(seq)
+            total += len(seq.ids)
     store.extract(target, sequences, layers, fused, settings)
     return store
 
@@ -239,7 +244,8 @@ class TrainingRun:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         device_type = "cuda" if str(self.device).startswith("cuda") else "cpu"
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss, metrics = head_loss(self.kind, self.head, batch, self.frozen, self.budget.ttt_steps)
+            loss, metrics = head_loss(self.kind, self.head, batch, self.frozen, self.budget.ttt_steps,
+                                      prompt_weight=self.budget.prompt_weight)
         (loss / self.budget.accumulate).backward()
         return float(loss.detach()), metrics
 
