@@ -40,7 +40,7 @@ class Budget:
     """How much data and compute a run spends; defaults are the small budget (minutes on a 2-core CPU for a
     ~100M-parameter target)."""
 
-    max_tokens: int = 64_000  # training tokens (prompt + answer) extracted
+    max_tokens: int = 36_000  # training tokens (prompt + answer) extracted
     epochs: int = 5
     hours: float = 0.0  # wall-clock limit of this run's training (0 = none); rerun to continue
     answer_tokens: int = 96  # regenerated answer length
