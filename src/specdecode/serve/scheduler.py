@@ -37,8 +37,8 @@ _MALLOC_TRIM = _malloc_trim()
 
 def return_free_memory() -> None:
     """Give the allocator's free pages back to the OS. glibc keeps what a burst of long requests freed (KV caches,
-    activations) in its heaps, so without this an idle server would hold its peak memory. Called when the last
-    request leaves, so it delays no one."""
+    activations) in its heaps, so without this an idle server would hold its peak memory. Called when the worker
+    goes idle, so it delays no one."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
@@ -89,6 +89,8 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
+                if not self._new and not self._waiting:  # idle: the last round's tensors are gone by now
+                    return_free_memory()
                 while not self._new and not self._waiting:
                     self._wake.wait()
                 new, self._new = self._new, []
@@ -139,8 +141,8 @@ class Scheduler:
                 job.deliver(item)
                 item = next(job.steps)
         except StopIteration:
-            job.deliver(DONE)
             self._finish(job)
+            job.deliver(DONE)
             return
         except Exception as exc:  # delivered to the request, never kills the worker
             self._fail(job, exc)
@@ -151,11 +153,12 @@ class Scheduler:
         job.request = item
 
     def _fail(self, job: Job, exc: Exception) -> None:
-        job.deliver(exc)
         self._finish(job)
+        job.deliver(exc)
 
     def _finish(self, job: Job) -> None:
-        """Close the job's generator and free its slot."""
+        """Close the job's generator and free its slot (before its last item is delivered: a client that has its
+        answer finds the server without it)."""
         job.steps.close()
         if job.request is not None:
             self.pool.release(job.request.cache)
@@ -163,6 +166,4 @@ class Scheduler:
             self._waiting.sort(key=lambda waiting: self.pool.slot(waiting.request.cache))
             job.request = None
         with self._wake:
-            if self._jobs == {job}:  # the last one: what the burst freed goes back before the server reports idle
-                return_free_memory()
             self._jobs.discard(job)
