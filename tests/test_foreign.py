@@ -222,6 +222,7 @@ def test_smollm2_drafts_for_a_target_with_qwens_tokenizer(smollm2):
     target = tiny_target_with(tokenizer, len(tokenizer))
     prompt = tokenizer.encode("def fibonacci(n):\n    return")
     plain, _ = generate(target, build_drafter("none", target), prompt, 24, GREEDY)
-    for name in HETERO:
-        spec, _ = generate(target, build_drafter(name, target, draft_model=smollm2), prompt, 24, GREEDY)
-        assert spec == plain
+    # tli: the bridge between the two vocabularies carries its distributions (slem and slrs meet another
+    # vocabulary in the test above)
+    spec, _ = generate(target, build_drafter("tli", target, draft_model=smollm2), prompt, 24, GREEDY)
+    assert spec == plain
