@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import threading
 from collections.abc import Callable, Generator
 
@@ -23,6 +24,7 @@ from ..cache import KVPool
 from ..models.base import CausalLM, ForwardRequest
 
 DONE = object()  # sent after a job's last item
+IDLE_TRIM_SECONDS = 1.0  # the second trim of an idle period
 
 
 def _malloc_trim():
@@ -39,6 +41,7 @@ def return_free_memory() -> None:
     """Give the allocator's free pages back to the OS. glibc keeps what a burst of long requests freed (KV caches,
     activations) in its heaps, so without this an idle server would hold its peak memory. Called when the worker
     goes idle, so it delays no one."""
+    gc.collect()  # reference cycles (an exception's traceback holds its frames' tensors) first
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
@@ -89,16 +92,20 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
-                if not self._new and not self._waiting:  # idle: the last round's tensors are gone by now
-                    return_free_memory()
-                while not self._new and not self._waiting:
-                    self._wake.wait()
+                if not self._has_work():  # idle: give back what finished requests freed, now and once more a moment
+                    return_free_memory()  # later (their handlers and exceptions release tensors after the worker)
+                    if not self._wake.wait_for(self._has_work, timeout=IDLE_TRIM_SECONDS):
+                        return_free_memory()
+                self._wake.wait_for(self._has_work)
                 new, self._new = self._new, []
             for job in new:
                 self._resume(job, None)
             for job in [job for job in self._waiting if job.cancelled.is_set()]:  # before the round, every time
                 self._finish(job)
             self._round(self._next_batch())
+
+    def _has_work(self) -> bool:
+        return bool(self._new or self._waiting)
 
     def _next_batch(self) -> list[Job]:
         if self._cursor >= len(self._waiting):

@@ -275,16 +275,15 @@ def rss_mb(pid: int) -> float:
 
 
 def settled_rss_mb(pid: int, seconds: float = 10) -> float:
-    """Resident memory once it stops falling (the server frees what the last requests held as their handlers and
-    connections close, after /health already reports it idle), or after `seconds`."""
-    last, deadline = rss_mb(pid), time.time() + seconds
+    """Resident memory once it has stopped falling for 2 s (an idle server gives freed memory back at once and again
+    a second later: scheduler.IDLE_TRIM_SECONDS), or after `seconds`."""
+    readings, deadline = [rss_mb(pid)], time.time() + seconds
     while time.time() < deadline:
-        time.sleep(0.5)
-        now = rss_mb(pid)
-        if abs(now - last) < 1:
-            return now
-        last = now
-    return last
+        time.sleep(1.0)
+        readings.append(rss_mb(pid))
+        if len(readings) >= 3 and max(readings[-3:]) - min(readings[-3:]) < 1:
+            break
+    return readings[-1]
 
 
 def settle(url: str, seconds: float = 30) -> tuple[dict, float]:
