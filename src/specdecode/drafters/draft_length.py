@@ -42,6 +42,12 @@ class FixedLength:
         """Most levels to draft this step."""
         return self.cap
 
+    def depth_within(self, limit: int | None) -> int:
+        """depth(), no deeper than `limit`: the depth the engine keeps this step (Drafter.depth_limit; None: all).
+        Levels past it would be drafted for nothing."""
+        depth = self.depth()
+        return depth if limit is None else max(1, min(depth, limit))
+
     def grow(self, confidence: float) -> bool:
         """Draft one more level, given the best path probability of the newest level?"""
         return True

@@ -197,12 +197,6 @@ class ForeignDrafter(Drafter):
     def start(self, prompt_ids, capacity):
         self.view.start(2 * capacity + 4 * self.depth)
 
-    def levels(self) -> int:
-        """Tokens to draft this step: the length policy's depth, no deeper than the engine keeps (depth_limit), so
-        a governor's cap also cuts the draft model's forwards."""
-        depth = self.length.depth()
-        return depth if self.depth_limit is None else max(1, min(depth, self.depth_limit))
-
     def commit(self, verdict, draft, target_logits) -> None:
         drafted = len(draft)
         self.length.update(len(verdict.accepted), drafted)

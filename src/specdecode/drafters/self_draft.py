@@ -55,9 +55,7 @@ class SelfDrafter(Drafter):
         self.begin(context)
         logits = self.next_logits(context[-1], root)  # [V]
         tokens, rows = [], []
-        depth = self.length.depth()
-        if self.depth_limit is not None:  # the engine keeps no deeper draft this step
-            depth = max(1, min(depth, self.depth_limit))
+        depth = self.length.depth_within(self.depth_limit)
         for level in range(1, depth + 1):
             token, row, confidence = pick(logits, params, generator)
             tokens.append(token)

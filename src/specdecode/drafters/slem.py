@@ -49,7 +49,7 @@ class SLEMDrafter(ForeignDrafter):
     def continue_text(self, logits: torch.Tensor, params: SamplingParams, generator) -> str:
         """The draft model's continuation (greedy, or sampled as the request samples), as text."""
         tokens, parent, confidence = [], -1, 1.0
-        levels = self.levels()
+        levels = self.length.depth_within(self.depth_limit)
         for level in range(levels):
             probs = probs_from_logits(logits, params)  # [Vd]; one-hot when greedy
             token = int(torch.multinomial(probs, 1, generator=generator)) if not params.greedy else int(probs.argmax())

@@ -49,7 +49,7 @@ class TLIDrafter(ForeignDrafter):
         if logits is None:
             return Draft.empty()
         tokens, rows, node, confidence = [], [], -1, 1.0
-        levels = self.levels()
+        levels = self.length.depth_within(self.depth_limit)
         for level in range(levels):
             proposal = self.propose_level(logits, node, params)
             total = float(proposal.mass.sum())

@@ -80,7 +80,7 @@ class TreeStrategy:
         """One proposal below the root whose next-token logits are root_logits [V], at most `limit` deep (the depth
         the engine keeps this step: levels past it would be expanded for nothing)."""
         grow = TreeGrowth(expand, params, self.length)
-        depth = self.length.depth() if limit is None else max(1, min(self.length.depth(), limit))
+        depth = self.length.depth_within(limit)
         if self.structure == "sequoia":
             return grow.static_tree(root_logits, self.shape, depth, generator)
         if self.structure == "eagle2" and not params.greedy:
