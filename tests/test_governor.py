@@ -63,6 +63,13 @@ def test_speculation_that_loses_is_shortened_then_rested_then_probed():
     assert 1 in plans[plans.index(0, 2) + 8 :]  # ...but it probed again, with one-token drafts
 
 
+def test_steps_that_accept_nothing_are_judged_lost_before_a_full_window():
+    plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=1)  # as fast as plain (noise), yet nothing accepted
+    assert plans[2:5] == [None] * 3 and plans[5:8] == [1] * 3 and plans[8] == 0
+    plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=2)  # a token accepted now and then: a full window
+    assert plans[2:8] == [None] * 6
+
+
 def test_a_loss_then_a_win_restores_full_drafts():
     governor = Governor()
     run(governor, 30, spec_seconds=4.0, spec_tokens=1)

@@ -5,9 +5,10 @@ Speculation pays when the tokens a step yields outweigh what the step costs (dra
 against a one-token step. Both sides change with the text (a copy-heavy passage, a creative one), the machine and
 the load, so the governor measures them while decoding: the rate of recent speculative steps (tokens per second,
 drafting included) against the rate of plain one-token steps. When speculation loses, it first caps the draft's
-depth to what the window actually got accepted (shorter drafts cost fewer rows), then rests the drafter (plain steps, no drafting at all) and probes again
-with one-token drafts after a pause that doubles while speculation keeps losing; drafts grow back twice as deep
-after every few winning windows. No anchor system does this (llama.cpp has only
+depth to what the window actually got accepted (shorter drafts cost fewer rows), then rests the drafter (plain
+steps, no drafting at all) and probes again with one-token drafts after a pause that doubles while speculation keeps
+losing; steps that accepted nothing are judged lost after a few, without waiting for a full window. Drafts grow back
+twice as deep after every few winning windows. No anchor system does this (llama.cpp has only
 --draft-min); the output never depends on it (every step is verified the same way).
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 class Governor:
     margin: float = 1.0  # speculation must reach this share of plain decoding's rate
     window: int = 6  # speculative steps judged together
+    quick: int = 3  # ...or fewer, when none of them accepted a drafted token
     first_rest: int = 8  # plain steps after the first loss; doubles on each further loss
     max_rest: int = 64
     refresh: int = 48  # one plain step every `refresh` speculative ones keeps the plain rate current
@@ -65,14 +67,19 @@ class Governor:
         if planned is None:
             self.full_depth = max(self.full_depth, depth)
         self.recent.append((seconds, tokens, depth))
-        if len(self.recent) < self.window or self.plain_rate is None:
+        if self.plain_rate is None:
+            return
+        # A step that accepted nothing yields the one token of a plain step at a higher cost: `quick` of those in a
+        # row are a loss already, whatever the clock says, so a drafter that does not fit the text stops sooner.
+        nothing_accepted = len(self.recent) >= self.quick and all(t == 1 for _, t, _ in self.recent)
+        if len(self.recent) < self.window and not nothing_accepted:
             return
         seconds_sum = sum(s for s, _, _ in self.recent)
         rate = sum(t for _, t, _ in self.recent) / max(seconds_sum, 1e-9)
         deepest = max(d for _, _, d in self.recent)
         accepted = sum(t - 1 for _, t, _ in self.recent) / len(self.recent)  # mean accepted draft tokens a step
         self.recent.clear()
-        if rate >= self.margin * self.plain_rate:
+        if rate >= self.margin * self.plain_rate and not nothing_accepted:
             self.next_rest = self.first_rest
             self.wins += 1
             if self.cap is not None and self.wins >= self.grow_after:  # winning under a cap for a while: go deeper
