@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# One worker per core (pytest-xdist; most tests compute on one thread), tests handed out as workers free up.
+exec .venv/bin/python -m pytest -n auto --dist worksteal "$@"

@@ -11,6 +11,12 @@ import torch
 
 from specdecode.models.hf import HFModel
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test.sh runs one pytest-xdist worker per core: each worker computes on its share of the cores (OpenMP
+    # threads of two workers competing for the same cores spin at their barriers).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
 FAMILIES = ["qwen2", "llama", "gemma3"]
 # The lossless matrix's targets: each transformers family, and the native backend (dense, int4 and int8 weights;
 # Gemma 3).

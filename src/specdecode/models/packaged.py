@@ -7,6 +7,7 @@ seconds instead of a GGUF de-quantization.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -95,18 +96,53 @@ def pull(name: str, force: bool = False) -> Path:
     spec = SHIPPED[name]
     if is_pulled(name) and not force:
         return converted_dir(name)
-    gguf_path = model_dir(name) / "model.gguf"
-    if force or not gguf_path.exists() or gguf_path.stat().st_size != spec.size:
-        assemble(spec, gguf_path)
-    from .convert import convert_gguf
+    with cache_lock(f"pull-{name}"):  # another process pulling the same model: wait for it, then use its work
+        if is_pulled(name) and not force:
+            return converted_dir(name)
+        gguf_path = model_dir(name) / "model.gguf"
+        if force or not gguf_path.exists() or gguf_path.stat().st_size != spec.size:
+            assemble(spec, gguf_path)
+        from .convert import convert_gguf
 
-    convert_gguf(gguf_path, converted_dir(name))
+        convert_gguf(gguf_path, converted_dir(name))
     return converted_dir(name)
+
+
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """Hold an exclusive lock shared by every process using this cache (two commands, or test workers, started on
+    a fresh machine must not download or write the same file at once). Where the OS has no flock: no lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    path = cache_root() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def partial_path(path: Path) -> Path:
+    """Where to write `path` before renaming it into place: per process, so concurrent writers never share one."""
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a cache file so that a reader in another process sees the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(path)
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def assemble(spec: ShippedModel, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial")
+    partial = partial_path(out)
     digest = hashlib.sha256()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp, open(partial, "wb") as sink, tqdm(
         total=spec.size, unit="B", unit_scale=True, desc=f"pull {spec.name}"

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from .. import kernels
-from ..models.packaged import cache_root
+from ..models.packaged import cache_root, write_text_atomic
 from ..tree import sequoia_tree
 from .cost import verify_seconds
 
@@ -102,8 +102,7 @@ def cost_report(target, refresh: bool = False) -> dict:
             pass
     if report is None:
         report = measure(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1))
+        write_text_atomic(path, json.dumps(report, indent=1))
     _reports[path] = report
     return report
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..drafters.base import build_drafter, check_drafter_name
 from ..errors import SpecDecodeError
-from ..models.packaged import cache_root
+from ..models.packaged import cache_root, write_text_atomic
 
 PROFILE_CHOICES = ("auto", "none")
 
@@ -41,10 +41,9 @@ def load_profile(target) -> dict | None:
 def save_profile(target, profile: dict) -> Path:
     """Write the profile; drafters tuned earlier and not in this run keep their saved entries."""
     path = profile_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
     earlier = (load_profile(target) or {}).get("drafters", {})
     merged = dict(profile, drafters={**earlier, **profile["drafters"]})
-    path.write_text(json.dumps(merged, indent=1))
+    write_text_atomic(path, json.dumps(merged, indent=1))
     return path
 
 

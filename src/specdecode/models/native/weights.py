@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..packaged import partial_path
 from .linear import GROUP, Linear, prepare
 
 FORMAT = 2  # bump when prepare() changes what it stores
@@ -88,7 +89,7 @@ class PreparedWeights:
         from safetensors.torch import save_file
 
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.cache_file.with_suffix(".partial")
+        partial = partial_path(self.cache_file)
         cached = {f"{key}/{name}": t for key, tensors in self.cached.items() for name, t in tensors.items()}
         save_file({**cached, **self.prepared}, partial)
         os.replace(partial, self.cache_file)
