@@ -46,16 +46,24 @@ def test_greedy_audit_passes_real_verifier_and_catches_a_planted_bug():
     assert all(d.plain_token != d.speculative_token for d in broken.divergences)
 
 
-def bfloat16_pair():
+def bfloat16_pair(seed: int = 1):
     """A tiny bfloat16 target whose speculative and plain outputs part at real rounding near-ties."""
-    target = tiny_model("llama", seed=1, dtype=torch.bfloat16)
+    target = tiny_model("llama", seed=seed, dtype=torch.bfloat16)
     return target, build_drafter("draft", target, draft_model=perturbed_copy(target, 0.1, seed=9))
 
 
 def test_a_real_bfloat16_near_tie_is_called_a_tie():
-    target, drafter = bfloat16_pair()
-    report = audit_greedy(target, drafter, PROMPTS, 32)
-    assert report.divergences and not report.bugs
+    # Whether torch's bfloat16 kernels round an N-row forward differently from a one-row one depends on the CPU
+    # path they take (with AVX-512 they do on these seeds; restricted to AVX2 they may not): take the first seed
+    # whose outputs part, and say so where none does rather than pass on nothing.
+    for seed in (1, 2, 3, 4):
+        target, drafter = bfloat16_pair(seed)
+        report = audit_greedy(target, drafter, PROMPTS, 32)
+        if report.divergences:
+            break
+    else:
+        pytest.skip("this CPU's bfloat16 kernels gave every speculative output the plain bits: no near-tie to classify")
+    assert not report.bugs
     for d in report.divergences:  # rounding measured there explains each flip
         assert d.margin <= d.observed <= 2 * d.reference
 
