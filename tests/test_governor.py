@@ -68,6 +68,8 @@ def test_steps_that_accept_nothing_are_judged_lost_before_a_full_window():
     assert plans[2:5] == [None] * 3 and plans[5:8] == [1] * 3 and plans[8] == 0
     plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=2)  # a token accepted now and then: a full window
     assert plans[2:8] == [None] * 6
+    plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=1, depth=0)  # no match found: empty drafts cost a
+    assert plans[2:8] == [None] * 6  # plain step, they do not make a retrieval drafter lose
 
 
 def test_a_loss_then_a_win_restores_full_drafts():

@@ -69,9 +69,11 @@ class Governor:
         self.recent.append((seconds, tokens, depth))
         if self.plain_rate is None:
             return
-        # A step that accepted nothing yields the one token of a plain step at a higher cost: `quick` of those in a
-        # row are a loss already, whatever the clock says, so a drafter that does not fit the text stops sooner.
-        nothing_accepted = len(self.recent) >= self.quick and all(t == 1 for _, t, _ in self.recent)
+        # A step that drafted and accepted nothing yields the one token of a plain step at a higher cost: `quick` of
+        # those and none better are a loss already, whatever the clock says, so a drafter that does not fit the text
+        # stops sooner.
+        drafted = [t for _, t, d in self.recent if d > 0]  # an empty draft (no match found) costs a plain step
+        nothing_accepted = len(drafted) >= self.quick and all(t == 1 for t in drafted)
         if len(self.recent) < self.window and not nothing_accepted:
             return
         seconds_sum = sum(s for s, _, _ in self.recent)
