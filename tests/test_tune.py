@@ -108,6 +108,11 @@ def test_tune_writes_a_profile_that_tuned_drafter_applies(tiny_pair, tmp_path, m
     chosen = profile["drafters"]["pld"]["options"]
     tuned, by_hand = tuned_drafter("pld", target), build_drafter("pld", target, **chosen)
     assert (tuned.k, tuned.branches, tuned.max_ngram) == (by_hand.k, by_hand.branches, by_hand.max_ngram)
+    # tune chose the defaults: they apply as chosen, not re-sized from the cost curve
+    profile["drafters"]["pld"]["options"] = {}
+    save_profile(target, profile)
+    tuned = tuned_drafter("pld", target)
+    assert tuned.tuned and not tuned.sized and tuned.k == build_drafter("pld", target).k
     # A profile with known choices: tuned_drafter must apply them when no option is given.
     profile["drafters"]["pld"]["options"] = {"k": 3, "branches": 2}
     profile["drafters"]["draft"]["options"] = {"structure": "opt", "budget": 5, "depth": 3}

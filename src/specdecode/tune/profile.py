@@ -57,10 +57,10 @@ def tuned_drafter(name: str, target, draft_model=None, profile: str = "auto", **
     none saved either, its size options set from this machine's forward-cost curve (measured once and cached)."""
     check_drafter_name(name)
     check_profile(profile)
-    tuned = {} if options else tuned_options(name, target, draft_model, profile)
-    sized = {} if options or tuned or profile == "none" else machine_sized_options(name, target)
+    tuned = None if options else tuned_options(name, target, draft_model, profile)  # {}: tune chose the defaults
+    sized = {} if options or tuned is not None or profile == "none" else machine_sized_options(name, target)
     drafter = build_drafter(name, target, draft_model, **(options or tuned or sized))
-    drafter.tuned = bool(tuned)
+    drafter.tuned = tuned is not None
     drafter.sized = bool(sized)
     return drafter
 
@@ -76,11 +76,12 @@ def machine_sized_options(name: str, target) -> dict:
     return sized_options(cls, seconds_by_rows(cost_report(target)))
 
 
-def tuned_options(name: str, target, draft_model, profile: str) -> dict:
-    """The options saved for drafter `name` on this target (and draft model), or {} when there are none."""
+def tuned_options(name: str, target, draft_model, profile: str) -> dict | None:
+    """The options saved for drafter `name` on this target (and draft model; {} when tune chose the defaults), or
+    None when nothing was saved."""
     check_profile(profile)
     saved = load_profile(target) if profile == "auto" else None
     entry = (saved or {}).get("drafters", {}).get(name)
     if not entry or entry.get("draft_model") != getattr(draft_model, "name", None):
-        return {}
+        return None
     return dict(entry["options"])
