@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layer import DecoderLayer, HeadConfig
+from .layer import DecoderLayer, HeadConfig, Linear
 
 
 class EagleHead(nn.Module):
@@ -22,7 +22,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.fc = Linear(2 * d, d, bias=True)
         self.layer = DecoderLayer(config, d)
 
     def forward(self, embeds, features, positions, kv, mask) -> torch.Tensor:

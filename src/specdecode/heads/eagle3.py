@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layer import DecoderLayer, HeadConfig, RMSNorm
+from .layer import DecoderLayer, HeadConfig, Linear, RMSNorm
 
 
 class Eagle3Head(nn.Module):
@@ -19,12 +19,12 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.config = config
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=False)
+        self.fc = Linear(len(config.feature_layers) * d, d, bias=False)
         self.input_layernorm = RMSNorm(d, eps)
         self.hidden_norm = RMSNorm(d, eps)
         self.layer = DecoderLayer(config, 2 * d)
         self.norm = RMSNorm(d, eps)
-        self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(d, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # [Vd] offsets
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))  # [V]
 

@@ -25,6 +25,25 @@ EXIT_KINDS = ("kangaroo", "eesd")  # heads on the target's first layers (heads/e
 LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose inference (no autograd) multiplies by a cached [in, out] copy of the weight: torch's CPU
+    F.linear re-packs the [out, in] weight on every call, which at the one to a few rows of a draft step costs
+    several times the product itself (benchmarks: the head's LM head). The copy follows the weight (its storage,
+    version, dtype and device); training runs nn.Linear unchanged."""
+
+    _transposed: tuple | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return super().forward(x)
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._transposed is None or self._transposed[0] != key:
+            self._transposed = (key, w.detach().t().contiguous())  # [in, out]
+        y = torch.matmul(x.to(w.dtype), self._transposed[1])
+        return y if self.bias is None else y + self.bias
+
+
 @dataclass
 class HeadConfig:
     """Everything needed to rebuild a head; the target's shapes are copied in when the head is made for it."""
@@ -83,10 +102,10 @@ class Attention(nn.Module):
         c = config
         self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         bias = c.attention_bias
-        self.q_proj = nn.Linear(in_size, c.num_attention_heads * c.head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(in_size, c.num_attention_heads * c.head_dim, bias=bias)
+        self.k_proj = Linear(in_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        self.v_proj = Linear(in_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(c.head_dim, c.rope_theta), persistent=False)
 
     def forward(self, x, positions, kv, mask) -> torch.Tensor:
@@ -108,9 +127,9 @@ class MLP(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         d, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
+        self.gate_proj = Linear(d, i, bias=False)
+        self.up_proj = Linear(d, i, bias=False)
+        self.down_proj = Linear(i, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer import HeadConfig
+from .layer import HeadConfig, Linear
 
 
 class ResBlock(nn.Module):
     def __init__(self, size: int):
         super().__init__()
-        self.linear = nn.Linear(size, size)
+        self.linear = Linear(size, size)
         nn.init.zeros_(self.linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
