@@ -27,9 +27,9 @@ LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
 
 class Linear(nn.Linear):
     """nn.Linear whose inference (no autograd) multiplies by a cached [in, out] copy of the weight: torch's CPU
-    F.linear re-packs the [out, in] weight on every call, which at the one to a few rows of a draft step costs
-    several times the product itself (benchmarks: the head's LM head). The copy follows the weight (its storage,
-    version, dtype and device); training runs nn.Linear unchanged."""
+    F.linear re-packs the [out, in] weight on every call, which at the one to a few rows of a draft step costs more
+    than the product itself. The copy follows the weight (its storage, version, dtype and device); training runs
+    nn.Linear unchanged."""
 
     _transposed: tuple | None = None
 
