@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..heads import target as target_side
 from ..models.hf import HFModel
+from ..models.packaged import write_text_atomic
 from ..text import prompt_ids
 from .data import Conversation
 
@@ -153,9 +154,7 @@ class FeatureStore:
         self._save_manifest()
 
     def _save_manifest(self) -> None:
-        tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.manifest, indent=2))
-        tmp.replace(self.manifest_path)
+        write_text_atomic(self.manifest_path, json.dumps(self.manifest, indent=2))
 
     def load(self) -> list[dict[str, torch.Tensor]]:
         """Every sequence: {ids [T], prompt_len, last [T, d], fused [T, K d] (if extracted)}."""
