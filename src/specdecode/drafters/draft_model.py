@@ -13,13 +13,14 @@ from functools import lru_cache
 
 import torch
 
-from ..errors import OptionError, SpecDecodeError
+from ..errors import SpecDecodeError
 from ..models.base import CausalLM, prefill
 from ..models.native.linear import Linear
 from ..sampling import SamplingParams
 from ..tree import Draft
 from .base import Drafter, register
 from .tree_growth import TreeGrowth, TreeStrategy
+from .vocabulary import VocabularyHead, frequent_tokens
 
 
 @register("draft")
@@ -33,7 +34,7 @@ class DraftModelDrafter(Drafter):
         {"structure": "sequoia", "budget": 6, "depth": 4, "length": "thompson"},
         {"topk": 1, "depth": 6, "length": "confidence", "threshold": 0.3},
         {"topk": 1, "depth": 4, "lookup": 2, "lookup_nodes": 6},
-        {"topk": 2, "depth": 3, "vocab": 40},  # a draft vocabulary: the first 40 ids (tiny models have 64)
+        {"topk": 2, "depth": 3, "vocab": 40},  # a draft vocabulary of 40 tokens (tiny models have 64)
     )
     tune_grid = (
         {"depth": 3, "topk": 1}, {"depth": 5, "topk": 1}, {"depth": 4, "topk": 2, "budget": 8},
@@ -95,19 +96,14 @@ class _CacheExpansion:
 
 @lru_cache(maxsize=8)
 def with_draft_vocabulary(model: CausalLM, size: int) -> CausalLM:
-    """The draft model scoring only a draft vocabulary: the first `size` token ids (byte-pair encoders number the
-    merges they learned first, the frequent ones, lowest) and the special tokens. Its LM head reads those rows
+    """The draft model scoring only its `size` most frequent tokens (vocabulary.py). Its LM head reads those rows
     only, the largest saving of a small model's forward (its vocabulary is the target's); the others get -inf,
     so the draft never proposes them (a draft, greedy or sampled, may leave out any token: still lossless)."""
-    if size < 1:
-        raise OptionError(f"vocab={size}: the draft vocabulary needs at least one token.", "Use vocab=0 (all) or > 0.")
-    vocab_size = model.vocab_size
-    specials = set(getattr(model.tokenizer, "all_special_ids", [])) | set(model.eos_token_ids)
-    ids = torch.tensor(sorted(set(range(min(size, vocab_size))) | {i for i in specials if i < vocab_size}))
+    ids = frequent_tokens(model, size)
     if not isinstance(getattr(model, "lm_head", None), Linear):  # not ours to slice: the same draft, no saving
         return _MaskedLogits(model, ids)
     restricted = copy.copy(model)  # shares the blocks and weights; only the head differs
-    restricted.lm_head = _VocabularyHead(model.lm_head.select_outputs(ids), ids, vocab_size)
+    restricted.lm_head = VocabularyHead(model.lm_head, ids, model.vocab_size)
     return restricted
 
 
@@ -127,18 +123,6 @@ class _MaskedLogits:
         return masked
 
 
-class _VocabularyHead:
-    def __init__(self, rows: Linear, ids: torch.Tensor, vocab_size: int):
-        self.rows, self.ids, self.vocab_size = rows, ids, vocab_size
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, d] -> [M, V], -inf off the draft vocabulary
-        scores = self.rows(hidden)  # [M, n]
-        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=scores.dtype)
-        logits[:, self.ids] = scores
-        return logits
-
-
-@lru_cache(maxsize=8)
 def _same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
     return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 

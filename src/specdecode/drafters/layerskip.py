@@ -4,6 +4,10 @@ over the target's own KV cache; no training, no extra weights. It drafts a chain
 probability falls below a threshold that adapts online to the acceptance rate (draft_length `adaptive`, the
 paper's `auto_th_stop_draft`).
 
+`vocab` (default 0: the whole vocabulary, as the paper) scores only the target's `vocab` most frequent tokens
+(vocabulary.py): the draft then skips most of the LM head too, which is most of a small model's forward (Gemma 3
+270M's 262k-token head).
+
 The skip set is `skip_attn` and `skip_mlp` (comma-separated layer indices; `auto` = a generic set, see default_skip).
 `specdecode tune --drafters layerskip` searches it as the paper does, by Bayesian optimisation of the decoding speed
 (optuna's TPE sampler; the paper used a Gaussian process) over the shipped tuning prompts, and saves the best set in
@@ -18,6 +22,7 @@ from ..errors import OptionError
 from ..models.base import Sublayers
 from .base import register
 from .self_draft import SelfDrafter
+from .vocabulary import VocabularyHead, frequent_tokens
 
 
 def default_skip(n_layers: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -50,12 +55,13 @@ def skip_text(layers) -> str:
 
 @register("layerskip")
 class LayerSkipDrafter(SelfDrafter):
-    variants = ({}, {"skip_attn": "0", "skip_mlp": "none", "depth": 3, "length": "fixed"})
-    tune_grid = ({"threshold": 0.6}, {"depth": 4}, {"depth": 12, "threshold": 0.6})
+    variants = ({}, {"skip_attn": "0", "skip_mlp": "none", "depth": 3, "length": "fixed", "vocab": 40})
+    tune_grid = ({"threshold": 0.6}, {"depth": 4}, {"depth": 12, "threshold": 0.6}, {"vocab": 32768})
 
     def __init__(self, target, skip_attn: str = "auto", skip_mlp: str = "auto", depth: int = 8,
-                 threshold: float = 0.8, length: str = "adaptive"):
+                 threshold: float = 0.8, length: str = "adaptive", vocab: int = 0):
         super().__init__(target, depth, length, threshold)
+        self.head = VocabularyHead(target.lm_head, frequent_tokens(target, vocab), target.vocab_size) if vocab else None
         attention, mlp = default_skip(target.n_layers)
         self.sublayers = Sublayers(
             target.n_layers, skip_option(skip_attn, attention, target.n_layers, "skip_attn"),
@@ -64,7 +70,8 @@ class LayerSkipDrafter(SelfDrafter):
 
     def next_logits(self, token, position):
         hidden = self.run_target(token, position, self.sublayers)  # [1, d]: the last layer's output
-        return self.target.lm_head_logits(self.target.final_norm(hidden))[0]
+        normed = self.target.final_norm(hidden)
+        return (self.target.lm_head_logits(normed) if self.head is None else self.head(normed))[0]
 
     @classmethod
     def search(cls, target, score: Callable[[dict], float], trials: int) -> list[dict]:

