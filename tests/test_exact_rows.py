@@ -39,6 +39,18 @@ def test_quantized_linear_is_exact_per_row_and_path(quant):
 
 
 @pytest.mark.parametrize("isa", PATHS)
+def test_many_rows_run_in_passes_and_each_row_is_still_computed_alone(isa):
+    """A prefill's rows go through the weights in passes of a block of rows (kernels' ROW_BLOCK): a row's numbers
+    do not depend on its pass or its place in it."""
+    torch.manual_seed(1)
+    layer = Linear.of(torch.randn(48, 64) * 0.05, None, "int4", torch.float32)
+    x = torch.randn(300, 64)  # more rows than a pass holds, not a multiple of it
+    y = on(isa).quant_linear(x, layer.packed, 4)
+    for i in (0, 127, 128, 129, 255, 256, 299):
+        assert torch.equal(y[i : i + 1], on(isa).quant_linear(x[i : i + 1], layer.packed, 4)), f"row {i}"
+
+
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
     torch.manual_seed(1)

@@ -33,6 +33,7 @@ constexpr int TILE = 16;    // output columns per weight tile
 constexpr int Q4_BYTES = 4 * 64 + 2 * TILE * 2;  // nibbles + scales + mins
 constexpr int Q8_BYTES = 8 * 64 + TILE * 2;      // codes + scales
 constexpr int PREFETCH = 6;  // blocks ahead (weights stream from memory once per forward)
+constexpr int64_t ROW_BLOCK = 128;  // rows per pass over the weights (quant_linear)
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
@@ -390,19 +391,16 @@ TileFn avx2_kernel(int rows) {
   return table[rows];
 }
 
-void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, float* y,
-              int64_t y_stride) {
-  const int64_t rows = a.rows;
+void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
+              int64_t row_end, float* y, int64_t y_stride) {
   if (isa == SCALAR) {
-    if (bits == 4)
-      q4_tile_scalar(tile, blocks, a, 0, rows, y, y_stride);
-    else
-      q8_tile_scalar(tile, blocks, a, 0, rows, y, y_stride);
+    const auto scalar = bits == 4 ? q4_tile_scalar : q8_tile_scalar;
+    scalar(tile, blocks, a, row_begin, row_end - row_begin, y + row_begin * y_stride, y_stride);
     return;
   }
   const int widest = isa == AVX512 ? MAX_ROWS_AVX512 : MAX_ROWS_AVX2;
-  for (int64_t r0 = 0; r0 < rows;) {
-    const int n = static_cast<int>(std::min<int64_t>(widest, rows - r0));
+  for (int64_t r0 = row_begin; r0 < row_end;) {
+    const int n = static_cast<int>(std::min<int64_t>(widest, row_end - r0));
     TileFn fn = isa == AVX512 ? avx512_kernel(n) : avx2_kernel(n);
     fn(bits, tile, blocks, a, r0, y + r0 * y_stride, y_stride);
     r0 += n;
@@ -425,11 +423,16 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const int64_t tile_bytes = blocks * packed.size(2);
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      run_tile(static_cast<int>(isa), static_cast<int>(bits), weights + t * tile_bytes, blocks, a, out + t * TILE,
-               tiles * TILE);
-  });
+  // One pass over the weights per ROW_BLOCK rows (a prefill's many rows): those rows' activations then stay in
+  // cache while every tile reads them. A row's arithmetic does not depend on the pass it is in.
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+    const int64_t r1 = std::min(rows, r0 + ROW_BLOCK);
+    at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        run_tile(static_cast<int>(isa), static_cast<int>(bits), weights + t * tile_bytes, blocks, a, r0, r1,
+                 out + t * TILE, tiles * TILE);
+    });
+  }
   return y;
 }
 
