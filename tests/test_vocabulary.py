@@ -51,7 +51,7 @@ def test_without_the_data_the_vocabulary_is_the_lowest_ids_and_says_so(smollm2, 
 def test_a_vocabulary_head_gives_the_full_heads_logits_on_its_tokens_and_minus_inf_elsewhere(quant):
     model = native_twin(tiny_model("llama", seed=3), quant)
     ids = torch.tensor([0, 5, 17, 18, 40, 63])
-    head = VocabularyHead(model.lm_head, ids, model.vocab_size)
+    head = VocabularyHead.of(model.lm_head, ids, model.vocab_size)
     hidden = torch.randn(3, model.embedding.shape[1])
     full = model.lm_head(hidden)  # [3, V]
     logits = head(hidden)

@@ -103,7 +103,7 @@ def with_draft_vocabulary(model: CausalLM, size: int) -> CausalLM:
     if not isinstance(getattr(model, "lm_head", None), Linear):  # not ours to slice: the same draft, no saving
         return _MaskedLogits(model, ids)
     restricted = copy.copy(model)  # shares the blocks and weights; only the head differs
-    restricted.lm_head = VocabularyHead(model.lm_head, ids, model.vocab_size)
+    restricted.lm_head = VocabularyHead.of(model.lm_head, ids, model.vocab_size)
     return restricted
 
 

@@ -28,11 +28,13 @@ from ..errors import SpecDecodeError
 from ..heads import target as target_side
 from ..heads.layer import head_cache
 from ..models.base import Sublayers, attention_mask
+from ..models.native.linear import Linear
 from ..tree import Draft
 from . import eagle
 from .base import register
 from .eagle import FeatureRows
 from .self_draft import SelfDrafter
+from .vocabulary import VocabularyHead
 
 
 class ExitDrafter(SelfDrafter):
@@ -50,7 +52,7 @@ class ExitDrafter(SelfDrafter):
         self.sublayers = Sublayers(self.exit_layer)
         self.dtype = next(self.head.parameters()).dtype
         self.vocab = self.head.vocab  # [Vd] target ids
-        self.vocab_rows = target_side.lm_head_rows(target, self.vocab).to(self.dtype)  # [Vd, d], frozen
+        self.draft_head = draft_vocabulary_head(target, self.vocab, self.dtype)
         self.features: FeatureRows | None = None
         self.head_cache = None
         self.states: list[torch.Tensor] = []  # [1, d] exit states of this proposal's root and draft tokens
@@ -77,9 +79,7 @@ class ExitDrafter(SelfDrafter):
         self.states.append(state)
         see_all = torch.ones(1, self.head_cache.pending + 1, dtype=torch.bool)
         output = self.run_head(state, torch.tensor([position]), see_all)  # [1, d]
-        logits = torch.full((self.target.vocab_size,), float("-inf"))
-        logits[self.vocab] = (output @ self.vocab_rows.T)[0].float()
-        return logits
+        return self.draft_head(output)[0].float()
 
     def run_head(self, states, positions, tree_mask) -> torch.Tensor:
         """One head forward over q exit states [q, d] at `positions` (entries stay uncommitted); [q, d] features."""
@@ -95,6 +95,14 @@ class ExitDrafter(SelfDrafter):
         self.head_cache.discard()
         states = torch.cat(self.states)  # [N+1, d]
         return Draft(torch.tensor(tokens), torch.arange(len(tokens)) - 1, draft_probs, None, states, self.exit_layer)
+
+
+def draft_vocabulary_head(target, vocab: torch.Tensor, dtype: torch.dtype) -> VocabularyHead:
+    """The target's frozen LM head rows of the draft vocabulary: sliced from a native quantized head (read at its
+    quantized size, not as a dense float copy: the rows are most of what a draft token reads), else dense rows."""
+    if isinstance(getattr(target, "lm_head", None), Linear) and target.lm_head.packed is not None:
+        return VocabularyHead.of(target.lm_head, vocab, target.vocab_size)
+    return VocabularyHead(target_side.lm_head_rows(target, vocab).to(dtype), vocab, target.vocab_size)
 
 
 @register("kangaroo")

@@ -61,7 +61,7 @@ class LayerSkipDrafter(SelfDrafter):
     def __init__(self, target, skip_attn: str = "auto", skip_mlp: str = "auto", depth: int = 8,
                  threshold: float = 0.8, length: str = "adaptive", vocab: int = 0):
         super().__init__(target, depth, length, threshold)
-        self.head = VocabularyHead(target.lm_head, frequent_tokens(target, vocab), target.vocab_size) if vocab else None
+        self.head = VocabularyHead.of(target.lm_head, frequent_tokens(target, vocab), target.vocab_size) if vocab else None
         attention, mlp = default_skip(target.n_layers)
         self.sublayers = Sublayers(
             target.n_layers, skip_option(skip_attn, attention, target.n_layers, "skip_attn"),

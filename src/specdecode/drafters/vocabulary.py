@@ -83,12 +83,16 @@ def _tokenizer_key(tokenizer) -> str:
 
 class VocabularyHead:
     """An LM head that scores only `ids` [n] of a V-token vocabulary: [M, d] -> [M, V] logits, -inf elsewhere.
-    A native Linear head is sliced (its packed rows moved, so each kept logit is the full head's, bit for bit);
-    dense rows [V, d] are indexed once."""
+    `rows` are those tokens' rows: a native Linear (sliced from a quantized head, its packed rows moved, so each kept
+    logit is the full head's, bit for bit, at the quantized head's cost) or a dense [n, d] tensor."""
 
-    def __init__(self, head: Linear | torch.Tensor, ids: torch.Tensor, vocab_size: int):
-        self.ids, self.vocab_size = ids, vocab_size
-        self.rows = head.select_outputs(ids) if isinstance(head, Linear) else head[ids].contiguous()
+    def __init__(self, rows: Linear | torch.Tensor, ids: torch.Tensor, vocab_size: int):
+        self.rows, self.ids, self.vocab_size = rows, ids, vocab_size
+
+    @classmethod
+    def of(cls, head: Linear | torch.Tensor, ids: torch.Tensor, vocab_size: int) -> "VocabularyHead":
+        """The rows `ids` of a whole head (a native Linear, or dense [V, d])."""
+        return cls(head.select_outputs(ids) if isinstance(head, Linear) else head[ids].contiguous(), ids, vocab_size)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, d] -> [M, n]
         if isinstance(self.rows, Linear):
