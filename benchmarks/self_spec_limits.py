@@ -31,11 +31,13 @@ VOCABS = (4096, 8192, 16384, 32768)
 
 def lens_and_coverage(model, count: int, tokens: int) -> tuple[dict, dict]:
     n_layers = model.n_layers
-    layers = sorted({n_layers // 4, n_layers // 2, 2 * n_layers // 3, 3 * n_layers // 4, *range(n_layers - 3, n_layers + 1)})
+    quarters = {n_layers // 4, n_layers // 2, 2 * n_layers // 3, 3 * n_layers // 4}
+    layers = sorted(quarters | set(range(n_layers - 3, n_layers + 1)))
     vocabularies = {size: set(frequent_tokens(model, size).tolist()) for size in VOCABS}
     agree, covered, total = dict.fromkeys(layers, 0), dict.fromkeys(VOCABS, 0), 0
     for conversation in list(conversations(sharegpt_text()))[-2 * count : -count]:
-        ids = model.tokenizer.encode(conversation.prompt + "\n" + conversation.answer, add_special_tokens=False)[:tokens]
+        text = conversation.prompt + "\n" + conversation.answer
+        ids = model.tokenizer.encode(text, add_special_tokens=False)[:tokens]
         states = hidden_states(model, ids, layers)  # [K, n, d]
         top = {layer: lm_head(model, final_norm(model, states[k])).argmax(-1) for k, layer in enumerate(layers)}
         greedy = top[n_layers]
@@ -77,7 +79,8 @@ def costs(model) -> dict:
         model.forward(cache, token, position, torch.ones(1, 1, dtype=torch.bool))
         cache.discard()
 
-    out = {f"layers [0,{stop})": timed(layers_upto(stop)) for stop in sorted({3, model.n_layers // 2, model.n_layers - 1, model.n_layers})}
+    stops = sorted({3, model.n_layers // 2, model.n_layers - 1, model.n_layers})
+    out = {f"layers [0,{stop})": timed(layers_upto(stop)) for stop in stops}
     out["lm_head 1 row"] = timed(lambda: model.lm_head(hidden))
     out["lm_head 4 rows"] = timed(lambda: model.lm_head(hidden.repeat(4, 1)))
     for size in (8192, 32768):

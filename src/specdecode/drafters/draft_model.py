@@ -123,6 +123,7 @@ class _MaskedLogits:
         return masked
 
 
+@lru_cache(maxsize=8)
 def _same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
     return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 

@@ -5,8 +5,8 @@ probability falls below a threshold that adapts online to the acceptance rate (d
 paper's `auto_th_stop_draft`).
 
 `vocab` (default 0: the whole vocabulary, as the paper) scores only the target's `vocab` most frequent tokens
-(vocabulary.py): the draft then skips most of the LM head too, which is most of a small model's forward (Gemma 3
-270M's 262k-token head).
+(vocabulary.py): the draft then skips most of the LM head too, a large part of a small model with a large vocabulary
+(Gemma 3 270M's 262k-token head).
 
 The skip set is `skip_attn` and `skip_mlp` (comma-separated layer indices; `auto` = a generic set, see default_skip).
 `specdecode tune --drafters layerskip` searches it as the paper does, by Bayesian optimisation of the decoding speed
@@ -61,7 +61,9 @@ class LayerSkipDrafter(SelfDrafter):
     def __init__(self, target, skip_attn: str = "auto", skip_mlp: str = "auto", depth: int = 8,
                  threshold: float = 0.8, length: str = "adaptive", vocab: int = 0):
         super().__init__(target, depth, length, threshold)
-        self.head = VocabularyHead.of(target.lm_head, frequent_tokens(target, vocab), target.vocab_size) if vocab else None
+        self.head = None  # the target's whole LM head
+        if vocab:
+            self.head = VocabularyHead.of(target.lm_head, frequent_tokens(target, vocab), target.vocab_size)
         attention, mlp = default_skip(target.n_layers)
         self.sublayers = Sublayers(
             target.n_layers, skip_option(skip_attn, attention, target.n_layers, "skip_attn"),

@@ -1,6 +1,6 @@
 """Draft vocabularies: a drafter that scores only the most frequent tokens (FR-Spec, Zhao et al., 2025, arXiv
-2502.14856; EAGLE-3's `d2t`). A model's LM head is a large share of a small forward (Gemma 3 270M: most of it; the
-0.5B Qwen draft model: about a quarter), and a draft that leaves out a rare token is still verified losslessly: the
+2502.14856; EAGLE-3's `d2t`). A large vocabulary's LM head is a large share of a small model's weights (Gemma 3
+270M's holds most of them), and a draft that leaves out a rare token is still verified losslessly: the
 target simply rejects it, greedy or sampled (the draft distribution is zero off the vocabulary and the verifier
 uses it as it is).
 
