@@ -41,15 +41,16 @@ def test_speculation_that_pays_is_kept():
 
 def test_speculation_that_pays_only_when_short_is_capped():
     plans = run(Governor(), 120, spec_seconds=4.0, spec_tokens=2)  # depth 1 pays (1.25x), depth 2 and 4 lose
-    # full drafts lose; one token a step was accepted, so the cap goes straight to 1, where it pays
-    assert plans[2:8] == [None] * 6 and plans[8:14] == [1] * 6
-    assert plans[14:].count(1) > 0.6 * len(plans[14:])  # mostly capped at 1, probing deeper now and then
-    assert plans[14:].count(0) < 5
+    # full drafts lose (the first speculative step is not judged, see below); one token a step was accepted, so
+    # the cap goes straight to 1, where it pays
+    assert plans[2:9] == [None] * 7 and plans[9:15] == [1] * 6
+    assert plans[15:].count(1) > 0.6 * len(plans[15:])  # mostly capped at 1, probing deeper now and then
+    assert plans[15:].count(0) < 5
 
 
 def test_a_loss_caps_the_depth_at_what_was_accepted():
     plans = run(Governor(), 30, spec_seconds=4.0, spec_tokens=3, depth=8)  # 3 tokens for 9 rows' cost: loses
-    assert plans[2:8] == [None] * 6 and plans[8:14] == [2] * 6  # accepted 2 a step: cap 2 (not 8 // 2 = 4)
+    assert plans[2:9] == [None] * 7 and plans[9:15] == [2] * 6  # accepted 2 a step: cap 2 (not 8 // 2 = 4)
 
 
 def test_speculation_that_loses_is_shortened_then_rested_then_probed():
@@ -65,11 +66,46 @@ def test_speculation_that_loses_is_shortened_then_rested_then_probed():
 
 def test_steps_that_accept_nothing_are_judged_lost_before_a_full_window():
     plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=1)  # as fast as plain (noise), yet nothing accepted
-    assert plans[2:5] == [None] * 3 and plans[5:8] == [1] * 3 and plans[8] == 0
+    assert plans[2:6] == [None] * 4 and plans[6:9] == [1] * 3 and plans[9] == 0  # step 2 is not judged (below)
     plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=2)  # a token accepted now and then: a full window
-    assert plans[2:8] == [None] * 6
+    assert plans[2:9] == [None] * 7
     plans = run(Governor(), 20, spec_seconds=1.0, spec_tokens=1, depth=0)  # no match found: empty drafts cost a
-    assert plans[2:8] == [None] * 6  # plain step, they do not make a retrieval drafter lose
+    assert plans[2:9] == [None] * 7  # plain step, they do not make a retrieval drafter lose
+
+
+class JudgesCatchUp(Governor):
+    """The planted bug: the step after a rest is judged like any other."""
+
+    def record(self, seconds, tokens, depth, planned):
+        if planned != 0:
+            self.after_rest = False
+        super().record(seconds, tokens, depth, planned)
+
+
+def catch_up_plans(governor: Governor, steps: int = 300) -> list:
+    """A draft model that pays (4 tokens for 2.4 plain steps' time) except in a passage where nothing is accepted
+    (steps 30-44), and that first catches up on the tokens decoded plainly since it last drafted: 3 plain steps'
+    time for each (its prefill of them)."""
+    plans, skipped = [], 0
+    for step in range(steps):
+        plan = governor.plan()
+        plans.append(plan)
+        if plan == 0:
+            governor.record(1.0, 1, 0, plan)
+            skipped += 1
+            continue
+        depth = 3 if plan is None else min(plan, 3)
+        tokens = 1 if 30 <= step < 45 else depth + 1
+        governor.record(2.4 * (1 + depth) / 4 + 3.0 * skipped, tokens, depth, plan)
+        skipped = 0
+    return plans
+
+
+def test_the_step_after_a_rest_is_not_judged():
+    """That step is slow because of the rest; judging it would rest the drafter again, longer each time."""
+    plans = catch_up_plans(Governor())
+    assert plans[100:].count(None) >= 180  # full drafts, a refresh of the plain rate now and then
+    assert catch_up_plans(JudgesCatchUp())[100:].count(None) < 50  # the planted bug: rests, each one longer
 
 
 def test_a_loss_then_a_win_restores_full_drafts():

@@ -8,7 +8,9 @@ drafting included) against the rate of plain one-token steps. When speculation l
 depth to what the window actually got accepted (shorter drafts cost fewer rows), then rests the drafter (plain
 steps, no drafting at all) and probes again with one-token drafts after a pause that doubles while speculation keeps
 losing; steps that accepted nothing are judged lost after a few, without waiting for a full window. Drafts grow back
-twice as deep after every few winning windows. No anchor system does this (llama.cpp has only
+twice as deep after every few winning windows. The first speculative step after a rest is not judged: a draft model
+catches up there on the tokens decoded while it rested, a cost of the rest, and judging it rested good drafters
+again, longer each time. No anchor system does this (llama.cpp has only
 --draft-min); the output never depends on it (every step is verified the same way).
 """
 
@@ -35,6 +37,7 @@ class Governor:
     full_depth: int = 0  # the deepest draft seen without a cap
     wins: int = 0  # winning windows in a row under the current cap
     grow_after: int = 2  # winning windows under a cap before trying twice as deep
+    after_rest: bool = False  # the next speculative step follows a rest: not judged (see record)
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
 
     def __post_init__(self):
@@ -58,6 +61,7 @@ class Governor:
         """A step ran as planned: it took `seconds` (drafting and verifying) and yielded `tokens`; its draft was
         `depth` deep."""
         if planned == 0:
+            self.after_rest = self.rest > 0  # a rest (or the first plain-rate measurement), not a refresh step
             self.rest = max(self.rest - 1, 0)
             self.since_plain = 0
             rate = tokens / max(seconds, 1e-9)
@@ -66,6 +70,9 @@ class Governor:
         self.since_plain += 1
         if planned is None:
             self.full_depth = max(self.full_depth, depth)
+        if self.after_rest:  # the drafter caught up on what it skipped (a draft model's prefill of those tokens):
+            self.after_rest = False  # a cost of having rested, not of speculating from here on
+            return
         self.recent.append((seconds, tokens, depth))
         if self.plain_rate is None:
             return
