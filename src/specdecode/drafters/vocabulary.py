@@ -76,6 +76,7 @@ def _counts(key: str, tokenizer, vocab_size: int) -> torch.Tensor | None:
     return counts
 
 
+@lru_cache(maxsize=8)  # hashing a 262k-entry vocabulary takes a while; the server builds a drafter per request
 def _tokenizer_key(tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     return hashlib.sha256(vocab.encode()).hexdigest()[:16]
