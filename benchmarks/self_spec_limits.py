@@ -25,6 +25,7 @@ from specdecode.kernels import cpu_flags
 from specdecode.models.base import Sublayers, prefill
 from specdecode.models.loading import load_model
 from specdecode.train.data import conversations, sharegpt_text
+from specdecode.tune.machine import context_ids
 
 VOCABS = (4096, 8192, 16384, 32768)
 
@@ -64,7 +65,7 @@ def timed(run, repeats: int = 50) -> float:
 
 def costs(model) -> dict:
     cache = model.new_cache(400)
-    prefill(model, cache, [(7919 * i + 13) % model.vocab_size for i in range(300)])
+    prefill(model, cache, context_ids(model.vocab_size))  # the cost curve's 300-token context
     hidden = torch.randn(1, model.embedding.shape[1])
     token, position = torch.tensor([5]), torch.tensor([300])
 
@@ -84,7 +85,7 @@ def costs(model) -> dict:
     out["lm_head 1 row"] = timed(lambda: model.lm_head(hidden))
     out["lm_head 4 rows"] = timed(lambda: model.lm_head(hidden.repeat(4, 1)))
     for size in (8192, 32768):
-        head = VocabularyHead(model.lm_head, frequent_tokens(model, size), model.vocab_size)
+        head = VocabularyHead.of(model.lm_head, frequent_tokens(model, size), model.vocab_size)
         out[f"lm_head {size} tokens 1 row"] = timed(lambda head=head: head(hidden))
     out["one-token forward"] = timed(forward)
     return out
