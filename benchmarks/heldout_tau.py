@@ -19,7 +19,7 @@ from specdecode.kernels import cpu_flags
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
 from specdecode.text import prompt_ids
-from specdecode.train.data import conversations, sharegpt_text
+from specdecode.train.data import sharegpt_text, split
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     target = load_model(args.model, args.dtype)
     drafter = build_drafter(args.kind, target, draft_model=load_head(args.head), **parse_options(args.options))
-    held_out = list(conversations(sharegpt_text()))[-args.prompts :]
+    _, held_out = split(sharegpt_text(), 0, args.prompts)  # the conversations training keeps apart
     new = forwards = 0
     for conversation in held_out:
         ids = prompt_ids(target.tokenizer, [{"role": "user", "content": conversation.prompt}])
