@@ -88,6 +88,82 @@ def test_row_ops_match_torch_and_are_exact_per_row(isa):
         assert torch.equal(ops.glu(gate_up, gelu)[4:5], ops.glu(gate_up[4:5], gelu))
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("pre", [None, "norm", "silu", "gelu"])
+def test_fused_linear_gives_the_separate_ops_bits(isa, pre):
+    """A decoder layer's linear step in one native call (input norm or gated activation, linear, bias, output norm,
+    residual add) computes each row exactly as the separate calls do, and each row as it would alone."""
+    torch.manual_seed(3)
+    ops = on(isa)
+    k = 64
+    layer = Linear.of(torch.randn(40, k) * 0.05, torch.randn(40), "int4", torch.float32)  # 40: padded to 48 columns
+    x = torch.randn(5, 2 * k if pre in ("silu", "gelu") else k) * 2
+    norm, post_norm, residual = torch.randn(k), torch.randn(40), torch.randn(5, 40)
+    expected = x
+    if pre == "norm":
+        expected = ops.rms_norm(x, norm, 1e-6)
+    elif pre is not None:
+        expected = ops.glu(x, pre == "gelu")
+    expected = ops.quant_linear(expected.contiguous(), layer.packed, 4)[:, :40] + layer.bias
+    expected = residual + ops.rms_norm(expected.contiguous(), post_norm, 1e-6)
+    act = pre if pre in ("silu", "gelu") else None
+    fused = lambda rows, into: ops.fused_linear(  # noqa: E731
+        x[rows], layer.packed, 4, 40, layer.bias, norm if pre == "norm" else None, act, post_norm, into, 1e-6
+    )
+    into = residual.clone()
+    assert fused(slice(None), into) is into  # updated in place
+    assert torch.equal(into, expected)
+    assert torch.equal(fused(slice(3, 4), residual[3:4].clone()), expected[3:4])
+    bare = ops.fused_linear(x[:, :k].contiguous(), layer.packed, 4, 40)  # no pre, bias, post-norm or residual
+    assert torch.equal(bare, ops.quant_linear(x[:, :k].contiguous(), layer.packed, 4)[:, :40])
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("normed", [False, True])
+def test_attention_step_gives_the_separate_ops_bits(isa, normed):
+    """Query/key norms, rotary, the cache write and attention in one native call: the same numbers as the separate
+    kernels, the same cache entries, and a one-token call (its query heads split across threads) gives the row the
+    batched call gave."""
+    torch.manual_seed(4)
+    ops = on(isa)
+    b, q, hq, hkv, d, capacity = 2, 3, 4, 1, 32, 12
+    qkv = torch.randn(b * q, (hq + 2 * hkv) * d)
+    q_norm, k_norm = (torch.randn(d), torch.randn(d)) if normed else (None, None)
+    cos, sin = torch.randn(b, q, d), torch.randn(b, q, d)
+    keys, values = torch.randn(b, hkv, capacity, d), torch.randn(b, hkv, capacity, d)
+    slots = torch.tensor([[4, 5, 6], [2, 3, 4]])  # row 1's cache is shorter; keys beyond its entries are masked
+    mask = torch.zeros(b, q, 7, dtype=torch.bool)
+    mask[0, :, :4] = mask[1, :, :2] = True
+    mask[:, torch.arange(q), slots] = True  # each new row sees itself
+    mask[0, 2, 5] = True  # and row 0's third token sees the second
+    # the separate kernels
+    heads = qkv.view(b, q, hq + 2 * hkv, d).transpose(1, 2)  # [B, H, q, D]
+    queries, new_keys = heads[:, :hq], heads[:, hq : hq + hkv]
+    if normed:
+        queries = ops.rms_norm(queries.reshape(-1, d).contiguous(), q_norm, 1e-6).view(b, hq, q, d)
+        new_keys = ops.rms_norm(new_keys.reshape(-1, d).contiguous(), k_norm, 1e-6).view(b, hkv, q, d)
+    queries, new_keys = ops.rotary(queries, cos, sin), ops.rotary(new_keys, cos, sin)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    for row in range(b):
+        expected_keys[row, :, slots[row]] = new_keys[row]
+        expected_values[row, :, slots[row]] = heads[row, hq + hkv :]
+    expected = ops.tree_attention(queries, expected_keys, expected_values, mask, 7, 0.3).view(b * q, hq * d)
+
+    out = ops.attention_step(qkv, hq, hkv, q_norm, k_norm, 1e-6, cos, sin, keys, values, slots, 7, mask, 0.3)
+    assert torch.equal(out, expected)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    # row 0's first token alone, as a decode step over the 5 entries it sees (its own written by the call)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        alone = ops.attention_step(qkv[:1], hq, hkv, q_norm, k_norm, 1e-6, cos[:1, :1].contiguous(),
+                                   sin[:1, :1].contiguous(), keys[:1].clone(), values[:1].clone(),
+                                   torch.tensor([[4]]), 5, None, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, out[:1])
+
+
 # --- the whole model, real weights ---------------------------------------------------------------------------------
 
 TREE = Draft(torch.tensor([28, 253, 314, 1099, 17, 42, 9]), torch.tensor([-1, 0, 1, -1, 3, 3, 5]))

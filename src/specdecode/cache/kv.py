@@ -44,6 +44,12 @@ class KVCache:
         self.values[layer, :, :, self.end : self.end + q] = new_values
         return self.keys[layer, :, :, : self.end + q], self.values[layer, :, :, : self.end + q]
 
+    def layer_store(self, layer: int, q: int):
+        """Where a forward over q tokens writes one layer's new entries, for kernels that write them themselves:
+        keys, values [1, H, C, D], the reserved columns [1, q], and the count of keys to attend over."""
+        slots = torch.arange(self.end, self.end + q)[None]
+        return self.keys[layer], self.values[layer], slots, self.end + q
+
     def advance(self, q: int) -> None:
         """Mark the q reserved slots as written (uncommitted)."""
         self.end += q
@@ -167,6 +173,11 @@ class KVBatch:
         self.keys[layer][rows, :, cols] = new_keys.transpose(1, 2)  # indexed view is [B, q, H, D]
         self.values[layer][rows, :, cols] = new_values.transpose(1, 2)
         return self.keys[layer, :, :, : self.key_count], self.values[layer, :, :, : self.key_count]
+
+    def layer_store(self, layer: int, q: int):
+        """KVCache.layer_store for the batch: keys, values [B, H, C, D], columns [B, q], keys to attend over."""
+        slots = self.ends[:, None] + torch.arange(q)  # [B, q]
+        return self.keys[layer], self.values[layer], slots, self.key_count
 
     def advance(self, lengths: list[int]) -> None:
         """Mark each row's own (unpadded) new entries as written, uncommitted."""

@@ -83,11 +83,30 @@ class Kernels:
     def tree_attention(self, queries, keys, values, mask, n_keys: int, scale: float) -> torch.Tensor:
         """queries [B, Hq, q, D] float32, keys/values [B, Hkv, >=n_keys, D], mask [B, q, >=n_keys] bool or None
         -> [B, q, Hq*D] float32."""
-        empty = torch.empty(0, dtype=torch.bool)
         return self.module.tree_attention(
-            queries, keys, values, empty if mask is None else mask.contiguous(), n_keys, scale, ISAS.index(self.isa)
+            queries, keys, values, _or_empty(mask, torch.bool), n_keys, scale, ISAS.index(self.isa)
         )
 
+
+    def fused_linear(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n_out: int, bias=None, norm=None,
+                     act: str | None = None, post_norm=None, residual=None, eps: float = 0.0) -> torch.Tensor:
+        """pre(x) @ W.T [+ bias] [-> rms_norm(., post_norm)] [added into residual in place], x [M, K'] float32 ->
+        [M, n_out]; pre = rms_norm(x, norm), act(gate) * up for x = [gate, up] (act "silu" or "gelu"), or none."""
+        pre = 1 if norm is not None else {None: 0, "silu": 2, "gelu": 3}[act]
+        return self.module.fused_linear(
+            x, packed, bits, n_out, _or_empty(bias), pre, _or_empty(norm), _or_empty(post_norm), _or_empty(residual),
+            eps, ISAS.index(self.isa),
+        )
+
+    def attention_step(self, qkv, hq: int, hkv: int, q_norm, k_norm, eps: float, cos, sin, keys, values, slots,
+                       n_keys: int, mask, scale: float) -> torch.Tensor:
+        """qkv [B*q, (Hq + 2 Hkv) D] float32 -> q/k norms (or None) -> rotary (cos, sin [B, q, D]) -> new keys and
+        values written into keys/values [B, Hkv, C, D] at columns slots [B, q] -> attention over n_keys keys (mask
+        [B, q, >=n_keys] bool or None) -> [B*q, Hq D] float32."""
+        return self.module.attention_step(
+            qkv, hq, hkv, _or_empty(q_norm), _or_empty(k_norm), eps, cos, sin, keys, values, slots, n_keys,
+            _or_empty(mask, torch.bool), scale, ISAS.index(self.isa),
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [M, d] float32
         return self.module.rms_norm(x, weight, eps, ISAS.index(self.isa))
@@ -98,6 +117,11 @@ class Kernels:
 
     def glu(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:  # [M, 2n] -> [M, n] float32
         return self.module.glu(gate_up, gelu, ISAS.index(self.isa))
+
+
+def _or_empty(tensor: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An absent optional tensor as the empty tensor the extension takes for "none"."""
+    return torch.empty(0, dtype=dtype) if tensor is None else tensor.contiguous()
 
 
 _state: dict[str, object] = {}

@@ -409,19 +409,22 @@ void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const Quan
 
 }  // namespace
 
-// x [M, K] float32 (row stride may exceed K), packed [tiles, K/32, bytes] uint8 -> [M, tiles * 16] float32.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be [M, K] float32");
+namespace {
+
+void check_packed(const torch::Tensor& packed, int64_t bits, int64_t k) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "bad packed");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0), blocks = packed.size(1);
-  TORCH_CHECK(k == blocks * BLOCK, "x has ", k, " inputs, the weights ", blocks * BLOCK);
+  TORCH_CHECK(k == packed.size(1) * BLOCK, "x has ", k, " inputs, the weights ", packed.size(1) * BLOCK);
   TORCH_CHECK(packed.size(2) == (bits == 4 ? Q4_BYTES : Q8_BYTES), "packed tile size does not match bits");
-  auto y = torch::empty({rows, tiles * TILE}, x.options());
-  if (rows == 0) return y;
-  const QuantRows a = quantize_rows(x.data_ptr<float>(), rows, k, x.stride(0), static_cast<int>(isa));
+}
+
+// rows x [rows, k] (row stride `stride`) times the packed weights -> out [rows, tiles * 16] (row stride out_stride).
+void quant_linear_into(const float* x, int64_t rows, int64_t k, int64_t stride, const torch::Tensor& packed,
+                       int64_t bits, int64_t isa, float* out, int64_t out_stride) {
+  if (rows == 0) return;
+  const int64_t tiles = packed.size(0), blocks = packed.size(1);
+  const QuantRows a = quantize_rows(x, rows, k, stride, static_cast<int>(isa));
   const uint8_t* weights = packed.data_ptr<uint8_t>();
-  float* out = y.data_ptr<float>();
   const int64_t tile_bytes = blocks * packed.size(2);
   // One pass over the weights per ROW_BLOCK rows (a prefill's many rows): those rows' activations then stay in
   // cache while every tile reads them. A row's arithmetic does not depend on the pass it is in.
@@ -430,9 +433,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
     at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         run_tile(static_cast<int>(isa), static_cast<int>(bits), weights + t * tile_bytes, blocks, a, r0, r1,
-                 out + t * TILE, tiles * TILE);
+                 out + t * TILE, out_stride);
     });
   }
+}
+
+}  // namespace
+
+// x [M, K] float32 (row stride may exceed K), packed [tiles, K/32, bytes] uint8 -> [M, tiles * 16] float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be [M, K] float32");
+  check_packed(packed, bits, x.size(1));
+  auto y = torch::empty({x.size(0), packed.size(0) * TILE}, x.options());
+  quant_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), packed, bits, isa, y.data_ptr<float>(),
+                    y.size(1));
   return y;
 }
 
@@ -690,10 +704,16 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
   float* out_data = out.data_ptr<float>();
   const auto qs = queries.strides(), ks = keys.strides(), vs = values.strides();
   const int64_t mask_keys = masked ? mask.size(2) : 0;
-  at::parallel_for(0, batch * q * hkv, 1, [&](int64_t begin, int64_t end) {
+  // Fewer (row, kv head) items than threads (one new token, one or two kv heads): split each item's query heads
+  // across threads. A head's arithmetic does not depend on which heads share its call, so no bit changes.
+  const int64_t items = batch * q * hkv, threads = at::get_num_threads();
+  const int64_t split = items >= threads ? 1 : std::min<int64_t>(group, (threads + items - 1) / items);
+  const int64_t span = (group + split - 1) / split, parts = (group + span - 1) / span;  // query heads per part
+  at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> visible;
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / parts, part = work % parts;
       const int64_t b = item / (q * hkv), i = (item / hkv) % q, h = item % hkv;
       visible.clear();
       if (masked) {
@@ -705,8 +725,9 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
       }
       const T* head_keys = key_data + b * ks[0] + h * ks[1];
       const T* head_values = value_data + b * vs[0] + h * vs[1];
-      for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
-        const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, group - g0));
+      const int64_t last = std::min(group, (part + 1) * span);
+      for (int64_t g0 = part * span; g0 < last; g0 += MAX_GROUP) {
+        const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, last - g0));
         const int64_t head = h * group + g0;
         const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
         float* o = out_data + ((b * q + i) * hq + head) * d;
@@ -839,6 +860,28 @@ void rotary_row_scalar(const float* x, const float* cos, const float* sin, int64
   }
 }
 
+// One row through the path its ISA takes; every entry point below calls these, so fused and separate calls agree.
+inline void rms_norm_row(const float* x, const float* weight, int64_t d, float eps, float* out, int64_t isa) {
+  if (isa >= AVX2)
+    rms_norm_row_avx2(x, weight, d, eps, out);
+  else
+    rms_norm_row_scalar(x, weight, d, eps, out);
+}
+
+inline void glu_row(const float* gate, const float* up, int64_t n, bool gelu, float* out, int64_t isa) {
+  if (isa >= AVX2)
+    glu_row_avx2(gate, up, n, gelu, out);
+  else
+    glu_row_scalar(gate, up, n, gelu, out);
+}
+
+inline void rotary_row(const float* x, const float* cos, const float* sin, int64_t d, float* out, int64_t isa) {
+  if (isa >= AVX2 && d % 16 == 0)
+    rotary_row_avx2(x, cos, sin, d, out);
+  else
+    rotary_row_scalar(x, cos, sin, d, out);
+}
+
 }  // namespace
 
 // x [M, d] float32, weight [d] float32 -> x * rsqrt(mean(x^2) + eps) * weight, per row.
@@ -853,10 +896,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x.data_ptr<float>() + r * x.stride(0);
       float* o = out.data_ptr<float>() + r * d;
-      if (isa >= AVX2)
-        rms_norm_row_avx2(row, w, d, static_cast<float>(eps), o);
-      else
-        rms_norm_row_scalar(row, w, d, static_cast<float>(eps), o);
+      rms_norm_row(row, w, d, static_cast<float>(eps), o, isa);
     }
   });
   return out;
@@ -882,10 +922,7 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int6
       const int64_t bi = item / (h * q), hi = (item / q) % h, i = item % q;
       const float* row = xd + bi * xs[0] + hi * xs[1] + i * xs[2];
       const int64_t at = (bi * q + i) * d;
-      if (isa >= AVX2 && d % 16 == 0)
-        rotary_row_avx2(row, cd + at, sd + at, d, od + item * d);
-      else
-        rotary_row_scalar(row, cd + at, sd + at, d, od + item * d);
+      rotary_row(row, cd + at, sd + at, d, od + item * d, isa);
     }
   });
   return out;
@@ -902,13 +939,143 @@ torch::Tensor glu(torch::Tensor gate_up, bool gelu, int64_t isa) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = gate_up.data_ptr<float>() + r * gate_up.stride(0);
       float* o = out.data_ptr<float>() + r * n;
-      if (isa >= AVX2)
-        glu_row_avx2(row, row + n, n, gelu, o);
-      else
-        glu_row_scalar(row, row + n, n, gelu, o);
+      glu_row(row, row + n, n, gelu, o, isa);
     }
   });
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Fused steps of a decoder layer: the same row functions and linear kernel as the separate entry points above, in
+// one call (a one-token forward is otherwise dominated by per-call overhead on small models). Each row still gets
+// exactly the numbers the separate calls give it.
+
+// PRE_NORM: rms_norm(x, norm); PRE_SILU / PRE_GELU: act(gate) * up of x = [gate, up].
+enum Pre { PRE_NONE = 0, PRE_NORM = 1, PRE_SILU = 2, PRE_GELU = 3 };
+
+// y = pre(x) @ W^T [+ bias] [-> rms_norm(y, post_norm)], x [M, K'] float32 -> y [M, n_out]; with a residual
+// [M, n_out] float32 (contiguous), residual += y in place and the residual is returned.
+torch::Tensor fused_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t n_out, torch::Tensor bias,
+                           int64_t pre, torch::Tensor norm, torch::Tensor post_norm, torch::Tensor residual,
+                           double eps, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be [M, K] float32");
+  const int64_t rows = x.size(0);
+  const bool gated = pre == PRE_SILU || pre == PRE_GELU;
+  const int64_t k = gated ? x.size(1) / 2 : x.size(1);
+  check_packed(packed, bits, k);
+  const int64_t width = packed.size(0) * TILE;
+  TORCH_CHECK(n_out <= width, "n_out exceeds the packed outputs");
+  const float fe = static_cast<float>(eps);
+  // the linear layer's input rows
+  torch::Tensor input = x;
+  if (pre != PRE_NONE) {
+    TORCH_CHECK(pre != PRE_NORM || (norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == k),
+                "norm must be [K] float32");
+    input = torch::empty({rows, k}, x.options());
+    const float* xd = x.data_ptr<float>();
+    float* in = input.data_ptr<float>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = xd + r * x.stride(0);
+        if (pre == PRE_NORM)
+          rms_norm_row(row, norm.data_ptr<float>(), k, fe, in + r * k, isa);
+        else
+          glu_row(row, row + k, k, pre == PRE_GELU, in + r * k, isa);
+      }
+    });
+  }
+  auto y = torch::empty({rows, width}, x.options());
+  quant_linear_into(input.data_ptr<float>(), rows, k, input.stride(0), packed, bits, isa, y.data_ptr<float>(), width);
+  const bool has_bias = bias.defined() && bias.numel() > 0, has_post = post_norm.defined() && post_norm.numel() > 0;
+  const bool has_residual = residual.defined() && residual.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() && bias.numel() == n_out),
+              "bias must be [n_out] float32");
+  TORCH_CHECK(!has_post || (post_norm.scalar_type() == torch::kFloat32 && post_norm.is_contiguous() &&
+                            post_norm.numel() == n_out),
+              "post_norm must be [n_out] float32");
+  TORCH_CHECK(!has_residual || (residual.scalar_type() == torch::kFloat32 && residual.is_contiguous() &&
+                                residual.size(0) == rows && residual.size(1) == n_out),
+              "residual must be [M, n_out] float32, contiguous");
+  if (!has_bias && !has_post && !has_residual) return width == n_out ? y : y.narrow(1, 0, n_out);
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(has_post ? n_out : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = yd + r * width;
+      if (has_bias)
+        for (int64_t c = 0; c < n_out; ++c) row[c] = row[c] + bias.data_ptr<float>()[c];
+      if (has_post) {
+        rms_norm_row(row, post_norm.data_ptr<float>(), n_out, fe, normed.data(), isa);
+        std::memcpy(row, normed.data(), n_out * sizeof(float));
+      }
+      if (has_residual) {
+        float* target = residual.data_ptr<float>() + r * n_out;
+        for (int64_t c = 0; c < n_out; ++c) target[c] = target[c] + row[c];
+      }
+    }
+  });
+  if (has_residual) return residual;
+  return width == n_out ? y : y.narrow(1, 0, n_out);
+}
+
+// The attention step of a decoder layer from its fused projections: qkv [B*q, (Hq + 2 Hkv) D] float32 rows ->
+// per-head norms (q_norm, k_norm [D] or empty) -> rotary (cos, sin [B, q, D]) -> the new keys and values written
+// into the layer's cache keys/values [B, Hkv, C, D] float32 at columns slots [B, q] -> attention over n_keys keys
+// (mask [B, q, >= n_keys] bool or empty) -> [B*q, Hq D].
+torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::Tensor q_norm, torch::Tensor k_norm,
+                             double eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
+                             torch::Tensor values, torch::Tensor slots, int64_t n_keys, torch::Tensor mask,
+                             double scale, int64_t isa) {
+  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 &&
+                  keys.stride(3) == 1 && values.stride(3) == 1,
+              "keys/values must be [B, Hkv, C, D] float32");
+  const int64_t b = keys.size(0), d = keys.size(3), heads = hq + 2 * hkv;
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == b && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+              "slots must be [B, q] int64");
+  const int64_t q = slots.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1 && qkv.size(0) == b * q &&
+                  qkv.size(1) == heads * d,
+              "qkv must be [B*q, (Hq + 2 Hkv) D] float32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == b * q * d && sin.numel() == b * q * d &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "cos/sin must be [B, q, D] float32");
+  const bool q_normed = q_norm.defined() && q_norm.numel() > 0, k_normed = k_norm.defined() && k_norm.numel() > 0;
+  TORCH_CHECK(!q_normed || (q_norm.numel() == d && q_norm.is_contiguous() && q_norm.scalar_type() == torch::kFloat32),
+              "q_norm must be [D] float32");
+  TORCH_CHECK(!k_normed || (k_norm.numel() == d && k_norm.is_contiguous() && k_norm.scalar_type() == torch::kFloat32),
+              "k_norm must be [D] float32");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b * q; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < keys.size(2) && slot[i] < n_keys, "a slot is outside the cache");
+  auto queries = torch::empty({b, hq, q, d}, qkv.options());
+  const float* source = qkv.data_ptr<float>();
+  float* query_data = queries.data_ptr<float>();
+  const auto ks = keys.strides(), vs = values.strides();
+  const float fe = static_cast<float>(eps);
+  at::parallel_for(0, b * q * (hq + hkv), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / (hq + hkv), h = item % (hq + hkv), bi = row / q, i = row % q;
+      const float* x = source + row * qkv.stride(0) + h * d;
+      const bool is_query = h < hq;
+      const torch::Tensor& norm = is_query ? q_norm : k_norm;
+      if (is_query ? q_normed : k_normed) {
+        rms_norm_row(x, norm.data_ptr<float>(), d, fe, normed.data(), isa);
+        x = normed.data();
+      }
+      float* out = is_query ? query_data + ((bi * hq + h) * q + i) * d
+                            : keys.data_ptr<float>() + bi * ks[0] + (h - hq) * ks[1] + slot[row] * ks[2];
+      rotary_row(x, cos.data_ptr<float>() + row * d, sin.data_ptr<float>() + row * d, d, out, isa);
+      if (!is_query)  // the value head of this key head
+        std::memcpy(values.data_ptr<float>() + bi * vs[0] + (h - hq) * vs[1] + slot[row] * vs[2],
+                    source + row * qkv.stride(0) + (hq + hkv + h - hq) * d, d * sizeof(float));
+    }
+  });
+  TORCH_CHECK(!mask.defined() || mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.is_contiguous()),
+              "mask: contiguous bool");
+  auto out = torch::empty({b, q, hq * d}, qkv.options());
+  attention_impl<float>(queries, keys, values, mask, n_keys, scale, isa, out);
+  return out.view({b * q, hq * d});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -917,4 +1084,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("glu", &glu, "act(gate) * up per row, rows independent");
   m.def("quant_linear", &quant_linear, "int4/int8 weights x int8 activations, rows independent");
   m.def("tree_attention", &tree_attention, "attention over each row's visible keys, rows independent");
+  m.def("fused_linear", &fused_linear, "norm or glu, linear, bias, post-norm, residual add in one call");
+  m.def("attention_step", &attention_step, "q/k norms, rotary, cache write and attention in one call");
 }

@@ -5,7 +5,7 @@ scaled by sqrt(d), and interleaved attention kinds: sliding-window layers (local
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -16,16 +16,8 @@ from .weights import PreparedWeights
 KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
-@dataclass
-class GemmaBlock(Block):
-    post_attn_norm: torch.Tensor  # [d]
-    post_mlp_norm: torch.Tensor  # [d]
-    q_norm: torch.Tensor  # [D]
-    k_norm: torch.Tensor  # [D]
-
-
 class Gemma3Model(LlamaModel):
-    gelu = True
+    act = "gelu"
 
     def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
         super().__init__(config, weights, tokenizer, name, eos_ids)
@@ -35,14 +27,14 @@ class Gemma3Model(LlamaModel):
             "sliding": (inverse_frequencies(self.head_dim, rope["sliding_attention"]["rope_theta"]), config.sliding_window),
         }
         self.layer_kinds = [KINDS[kind] for kind in config.layer_types]
-        self.scale = config.query_pre_attn_scalar**-0.5
+        self.heads = replace(self.heads, scale=config.query_pre_attn_scalar**-0.5)
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=self.dtype)
         self.norm = _unit_offset(self.norm)
 
-    def _block(self, weights: PreparedWeights, prefix: str) -> GemmaBlock:
+    def _block(self, weights: PreparedWeights, prefix: str) -> Block:
         llama = super()._block(weights, prefix)
         norm = lambda name: _unit_offset(self.param(weights, prefix + name + ".weight"))  # noqa: E731
-        return GemmaBlock(
+        return Block(
             attn_norm=_unit_offset(llama.attn_norm),
             qkv=llama.qkv,
             out=llama.out,
@@ -58,19 +50,6 @@ class Gemma3Model(LlamaModel):
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
         return self.embedding[token_ids].to(self.dtype) * self.embed_scale
-
-    def _layer(self, block: GemmaBlock, layer: int, kv, hidden, b: int, cos, sin, mask, attention=True, mlp=True):
-        if attention:
-            attended = self._attention(block, layer, kv, hidden, b, cos, sin, mask)
-            hidden = hidden + self.ops.rms_norm(attended, block.post_attn_norm, self.eps)
-        if mlp:
-            hidden = hidden + self.ops.rms_norm(self._mlp(block, hidden), block.post_mlp_norm, self.eps)
-        return hidden  # [B*q, d]
-
-    def _qk_norm(self, block: GemmaBlock, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
-        hq = self.n_heads
-        queries = self.ops.rms_norm(heads[:, :hq], block.q_norm, self.eps)
-        return torch.cat([queries, self.ops.rms_norm(heads[:, hq:], block.k_norm, self.eps)], 1)
 
 
 Model = Gemma3Model

@@ -33,6 +33,7 @@ class Linear:
         self.bias = tensors.get("bias")
         self.packed = tensors.get("packed")
         self.quant = quant if self.packed is not None else "none"
+        self.bits = BITS.get(self.quant)  # of the packed weights
         self.dense = tensors.get("dense")
         if self.packed is None:
             self.out_features, self.in_features = self.dense.shape
@@ -65,7 +66,7 @@ class Linear:
         if self.dense is not None:
             y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
-            y = self.kernels.quant_linear(x.float().contiguous(), self.packed, BITS[self.quant])  # [M, tiles*16]
+            y = self.kernels.quant_linear(x.float().contiguous(), self.packed, self.bits)  # [M, tiles*16]
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features].contiguous()
         return y if self.bias is None else y + self.bias.to(y.dtype)

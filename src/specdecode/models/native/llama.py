@@ -21,7 +21,7 @@ from ..base import (
 )
 from .linear import Linear
 from .weights import PreparedWeights
-from .ops import RotaryTable, inverse_frequencies, row_ops
+from .ops import Heads, RotaryTable, inverse_frequencies, row_ops
 
 
 @dataclass
@@ -32,10 +32,15 @@ class Block:
     mlp_norm: torch.Tensor  # [d]
     gate_up: Linear  # [2 I, d]: gate and up fused
     down: Linear  # [d, I]
+    # what other families add (None in Llama): norms of each sublayer's output, per-head query and key norms
+    post_attn_norm: torch.Tensor | None = None  # [d]
+    post_mlp_norm: torch.Tensor | None = None  # [d]
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
 
 
 class LlamaModel(CausalLM):
-    gelu = False  # the MLP's gate activation: SiLU (Llama), or GELU with the tanh approximation
+    act = "silu"  # the MLP's gate activation: "silu" (Llama), or "gelu" (the tanh approximation)
     runs_sublayers = True
 
     def __init__(self, config, weights: PreparedWeights, tokenizer, name: str, eos_ids):
@@ -52,7 +57,7 @@ class LlamaModel(CausalLM):
         # Attention kinds: kind -> (rotary inverse frequencies [D/2], sliding window or None); the kind of each layer
         self.kinds = {"full": (inverse_frequencies(self.head_dim, _rope_theta(config)), None)}
         self.layer_kinds = ["full"] * self.n_layers
-        self.scale = None  # attention scale; None = 1/sqrt(head_dim)
+        self.heads = Heads(self.n_heads, self.n_kv_heads, self.head_dim, scale=None)  # None: 1/sqrt(head_dim)
         self.rotary: dict[str, RotaryTable] = {}  # attention kind -> its table, made on first use
         # tied weights are saved once, under either name
         embed = "model.embed_tokens.weight" if weights.has("model.embed_tokens.weight") else "lm_head.weight"
@@ -161,8 +166,8 @@ class LlamaModel(CausalLM):
         resume.layer are not run: their input is resume.states."""
         b, q = input_ids.shape
         first = 0 if resume is None else resume.layer
-        if resume is not None:
-            hidden = resume.states.to(self.dtype).reshape(b * q, -1)
+        if resume is not None:  # a copy: the layers update the residual stream in place
+            hidden = resume.states.to(self.dtype).reshape(b * q, -1).clone()
         elif any(probe is not None for probe in probes):
             hidden = place_probes(self.embed(input_ids.clamp(min=0)), input_ids, probes).view(b * q, -1)
         else:
@@ -172,7 +177,7 @@ class LlamaModel(CausalLM):
         hidden = hidden.view(b, q, -1)
         if last_only:
             hidden = hidden[:, -1:]
-        logits = self.lm_head(self.ops.rms_norm(hidden.reshape(-1, hidden.shape[-1]), self.norm, self.eps))
+        logits = self.ops.linear(self.lm_head, hidden.reshape(-1, hidden.shape[-1]), norm=self.norm, eps=self.eps)
         return logits.float().view(b, hidden.shape[1], -1), states
 
     def _blocks(self, kv, hidden, b: int, positions, masks: dict, run: range, skip: Sublayers | None = None,
@@ -198,29 +203,19 @@ class LlamaModel(CausalLM):
         return self.rotary[kind]
 
     def _layer(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask, attention=True, mlp=True):
-        """One decoder layer on the residual stream [B*q, d]; a skipped sublayer (attention or mlp False) adds
-        nothing and writes no cache entry."""
+        """One decoder layer on the residual stream [B*q, d] (updated in place where the ops fuse the residual add);
+        a skipped sublayer (attention or mlp False) adds nothing and writes no cache entry."""
+        ops, eps = self.ops, self.eps
         if attention:
-            hidden = hidden + self._attention(block, layer, kv, hidden, b, cos, sin, mask)
+            qkv = ops.linear(block.qkv, hidden, norm=block.attn_norm, eps=eps)  # [B*q, (Hq + 2 Hkv) D]
+            attended = ops.attention_step(qkv, kv, layer, b, self.heads, block.q_norm, block.k_norm, eps, cos, sin,
+                                          mask)  # [B*q, Hq D]
+            hidden = ops.linear(block.out, attended, post_norm=block.post_attn_norm, residual=hidden, eps=eps)
         if mlp:
-            hidden = hidden + self._mlp(block, hidden)
+            gate_up = ops.linear(block.gate_up, hidden, norm=block.mlp_norm, eps=eps)  # [B*q, 2I]
+            hidden = ops.linear(block.down, gate_up, act=self.act, post_norm=block.post_mlp_norm, residual=hidden,
+                                eps=eps)
         return hidden
-
-    def _attention(self, block: Block, layer: int, kv, hidden, b: int, cos, sin, mask) -> torch.Tensor:
-        hq, hkv = self.n_heads, self.n_kv_heads
-        qkv = block.qkv(self.ops.rms_norm(hidden, block.attn_norm, self.eps))  # [B*q, (Hq + 2 Hkv) D]
-        heads = qkv.view(b, -1, hq + 2 * hkv, self.head_dim).transpose(1, 2)  # [B, Hq + 2 Hkv, q, D]
-        rotated = self.ops.rotary(self._qk_norm(block, heads[:, : hq + hkv]), cos, sin)  # queries and keys at once
-        queries, keys, values = rotated[:, :hq], rotated[:, hq:], heads[:, hq + hkv :]
-        return block.out(self.ops.attend(kv, layer, queries, keys, values, mask, self.scale))  # [B*q, d]
-
-    def _qk_norm(self, block: Block, heads: torch.Tensor) -> torch.Tensor:  # [B, Hq + Hkv, q, D]
-        """Per-head normalization of queries and keys before rotary (none in Llama)."""
-        return heads
-
-    def _mlp(self, block: Block, hidden) -> torch.Tensor:
-        gate_up = block.gate_up(self.ops.rms_norm(hidden, block.mlp_norm, self.eps))  # [B*q, 2I]
-        return block.down(self.ops.glu(gate_up, self.gelu))  # [B*q, d]
 
 
 Model = LlamaModel

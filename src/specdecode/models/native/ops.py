@@ -11,6 +11,8 @@ Two implementations of the row-wise ones (`RowOps`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,49 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-class TorchOps:
+@dataclass(frozen=True)
+class Heads:
+    """A model's attention heads: Hq query heads, Hkv key/value heads of D dimensions, scores scaled by `scale`
+    (None: 1/sqrt(D))."""
+
+    queries: int
+    kv: int
+    dim: int
+    scale: float | None
+
+
+class RowOps:
+    """The steps of a decoder layer, composed of the row-wise ops below (ExactOps fuses them where it can)."""
+
+    def linear(self, layer, x: torch.Tensor, *, norm=None, act: str | None = None, post_norm=None, residual=None,
+               eps: float = 0.0) -> torch.Tensor:
+        """layer(pre(x)), pre = rms_norm(x, norm) or act(gate) * up for x = [gate, up] (act "silu" or "gelu");
+        then rms_norm(., post_norm) and + residual where given. x [M, K'] -> [M, N]. `layer`: a Linear, or any
+        callable on [M, K] rows (a draft vocabulary's head)."""
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
+        elif act is not None:
+            x = self.glu(x, act == "gelu")
+        y = layer(x)
+        if post_norm is not None:
+            y = self.rms_norm(y, post_norm, eps)
+        return y if residual is None else residual + y
+
+    def attention_step(self, qkv, kv, layer: int, b: int, heads: Heads, q_norm, k_norm, eps: float, cos, sin,
+                       mask) -> torch.Tensor:
+        """Fused projections qkv [B*q, (Hq + 2 Hkv) D] -> per-head query/key norms (where given) -> rotary (cos, sin
+        [B, 1, q, D]) -> new keys/values into the cache -> attention -> [B*q, Hq D]."""
+        hq, hkv = heads.queries, heads.kv
+        split = qkv.view(b, -1, hq + 2 * hkv, heads.dim).transpose(1, 2)  # [B, Hq + 2 Hkv, q, D]
+        queries_keys = split[:, : hq + hkv]
+        if q_norm is not None:
+            queries = self.rms_norm(queries_keys[:, :hq], q_norm, eps)
+            queries_keys = torch.cat([queries, self.rms_norm(queries_keys[:, hq:], k_norm, eps)], 1)
+        rotated = self.rotary(queries_keys, cos, sin)  # queries and keys at once
+        return self.attend(kv, layer, rotated[:, :hq], rotated[:, hq:], split[:, hq + hkv :], mask, heads.scale)
+
+
+class TorchOps(RowOps):
     """Torch's kernels in the model's dtype."""
 
     exact = False
@@ -74,13 +118,28 @@ class TorchOps:
         return out.view(b, hq, q, d).transpose(1, 2).reshape(b * q, hq * d)
 
 
-class ExactOps:
-    """specdecode's kernels, float32, rows independent (see the module docstring)."""
+class ExactOps(RowOps):
+    """specdecode's kernels, float32, rows independent (see the module docstring). A quantized layer's steps run
+    fused, one native call each: the same row functions in the same order, without a call per tensor op."""
 
     exact = True
 
     def __init__(self, kernels):
         self.kernels = kernels
+
+    def linear(self, layer, x, *, norm=None, act=None, post_norm=None, residual=None, eps=0.0) -> torch.Tensor:
+        if getattr(layer, "packed", None) is None:  # dense (inputs not a multiple of 32), or another callable
+            return super().linear(layer, x, norm=norm, act=act, post_norm=post_norm, residual=residual, eps=eps)
+        return self.kernels.fused_linear(
+            x.float(), layer.packed, layer.bits, layer.out_features, layer.bias, norm, act, post_norm, residual, eps
+        )
+
+    def attention_step(self, qkv, kv, layer, b, heads, q_norm, k_norm, eps, cos, sin, mask) -> torch.Tensor:
+        keys, values, slots, n_keys = kv.layer_store(layer, qkv.shape[0] // b)
+        return self.kernels.attention_step(
+            qkv, heads.queries, heads.kv, q_norm, k_norm, eps, cos[:, 0].contiguous(), sin[:, 0].contiguous(), keys,
+            values, slots, n_keys, mask, heads.dim**-0.5 if heads.scale is None else heads.scale,
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., d]
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
