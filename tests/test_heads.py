@@ -266,3 +266,24 @@ def test_training_data_is_regenerated_until_max_tokens(target, tmp_path, monkeyp
     budget = Budget(max_tokens=1000, answer_tokens=40, max_prompt=40)
     trainer.prepare_features("eagle", target, tmp_path, budget)
     assert sum(len(s.ids) for s in kept) == 1000
+
+
+@pytest.mark.skipif(__import__("specdecode").kernels.native() is None, reason="the kernels cannot be built here")
+def test_a_quantized_head_layer_infers_from_int8_weights_and_follows_weight_changes():
+    """Heads of a quantized target draft from int8 copies of their weights: close to the float32 product, and
+    remade when the weights change (training a head after drafting with it must not draft from stale weights)."""
+    from specdecode.heads.layer import Linear, quantize_head
+
+    torch.manual_seed(5)
+    layer = Linear(64, 48, bias=True)
+    x = torch.randn(3, 2, 64)
+    with torch.no_grad():
+        dense = layer(x)
+        quantize_head(torch.nn.Sequential(layer), "int8")
+        quantized = layer(x)
+        assert quantized.shape == dense.shape and not torch.equal(quantized, dense)
+        assert (quantized - dense).norm() <= 0.01 * dense.norm()
+        layer.weight.mul_(2.0)  # a new version of the weight
+        assert (layer(x) - (2 * (dense - layer.bias) + layer.bias)).norm() <= 0.02 * dense.norm()
+        layer.quantize(None)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..heads import target as target_side
-from ..heads.layer import head_cache
+from ..heads.layer import head_cache, quantize_head
 from ..heads.store import find_head, load_head
 from ..models.base import attention_mask
 from ..sampling import SamplingParams
@@ -50,6 +50,9 @@ def resolve_head(target, kind: str, draft_model):
             f"the head in {folder} was made for hidden size {head.config.hidden_size}, {target.name} has "
             f"{target_side.hidden_size(target)}.", "Use the head trained for this target.",
         )
+    # A quantized target runs for speed: its head drafts from int8 weights too (a float32 head's bytes can cost as
+    # much as the target's int4 layers). Only speed depends on the draft's numbers, never the output.
+    quantize_head(head, "int8" if getattr(target, "quant", "none") != "none" else None)
     return head
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
+from ..models.native.linear import GROUP
+from ..models.native.linear import Linear as NativeLinear
 from ..models.native.ops import apply_rotary, attend, inverse_frequencies, rotary
 
 KINDS = ("eagle", "eagle3", "medusa", "kangaroo", "eesd")
@@ -26,22 +28,43 @@ LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose inference (no autograd) multiplies by a cached [in, out] copy of the weight: torch's CPU
+    """nn.Linear whose inference (no autograd) multiplies by a cached copy of the weight, made once and remade when
+    the weight changes (its storage, version, dtype or device): by default a dense [in, out] copy (torch's CPU
     F.linear re-packs the [out, in] weight on every call, which at the one to a few rows of a draft step costs more
-    than the product itself. The copy follows the weight (its storage, version, dtype and device); training runs
-    nn.Linear unchanged."""
+    than the product itself); after `quantize("int8")` on a CPU, the weight in specdecode's int8 format on its
+    kernels (a draft step reads a quarter of the float32 bytes). Training runs nn.Linear unchanged."""
 
-    _transposed: tuple | None = None
+    _inference: tuple | None = None  # (weight key, quant, [in, out] dense copy or native layer)
+    quant: str | None = None  # the inference weights' format; None: the weight's own dtype
+
+    def quantize(self, quant: str | None) -> None:
+        """Infer with `quant` weights ("int8", "int4") from the next call on; None: the weight's dtype."""
+        self.quant = quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return super().forward(x)
         w = self.weight
+        quant = self.quant if w.device.type == "cpu" and self.in_features % GROUP == 0 else None
         key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._transposed is None or self._transposed[0] != key:
-            self._transposed = (key, w.detach().t().contiguous())  # [in, out]
-        y = torch.matmul(x.to(w.dtype), self._transposed[1])
+        if self._inference is None or self._inference[:2] != (key, quant):
+            bias = None if self.bias is None else self.bias.detach().float()
+            layer = (w.detach().t().contiguous() if quant is None  # [in, out]
+                     else NativeLinear.of(w.detach().float(), bias, quant, torch.float32))
+            self._inference = (key, quant, layer)
+        layer = self._inference[2]
+        if quant is not None:
+            rows = x.reshape(-1, self.in_features).float()
+            return layer(rows).view(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = torch.matmul(x.to(w.dtype), layer)
         return y if self.bias is None else y + self.bias
+
+
+def quantize_head(head: nn.Module, quant: str | None) -> None:
+    """Infer with every linear layer of a head in `quant` weights (see Linear.quantize); None: back to dense."""
+    for module in head.modules():
+        if isinstance(module, Linear):
+            module.quantize(quant)
 
 
 @dataclass
