@@ -194,3 +194,31 @@ def test_the_next_request_starts_from_what_was_learned():
     winning = Governor()
     run(winning, 20, spec_seconds=1.2, spec_tokens=4)
     assert run(winning.for_next_request(), 10, spec_seconds=1.2, spec_tokens=4)[:2] == [None, None]  # ...not again
+
+
+class AlwaysCatchesUp(Governor):
+    """The planted bug: every drafter's step after a rest goes unjudged, whether it caught up on anything or not."""
+
+    def record(self, seconds, tokens, depth, planned):
+        self.catch_up = True
+        super().record(seconds, tokens, depth, planned)
+
+
+def test_a_drafter_with_nothing_to_catch_up_on_is_judged_from_the_first_step_after_a_rest():
+    """Retrieval and layer skipping have no catch-up cost: a probe of a drafter that never pays ends a step sooner,
+    so fewer steps are lost to it."""
+
+    def drafted(governor: Governor) -> int:
+        return sum(plan != 0 for plan in run(governor, 300, spec_seconds=4.0, spec_tokens=1))
+
+    assert drafted(Governor(catch_up=False)) < drafted(Governor())
+    assert drafted(AlwaysCatchesUp(catch_up=False)) == drafted(Governor())
+
+
+@pytest.mark.parametrize("name", ["pld", "draft"])
+def test_the_engine_tells_the_governor_whether_the_drafter_catches_up(name):
+    target, draft_model = tiny_pair("qwen2:native", seed=5)
+    governor = Governor(catch_up=not DRAFTERS[name].catches_up)
+    drafter = build_drafter(name, target, draft_model=draft_model) if name == "draft" else build_drafter(name, target)
+    generate(target, drafter, [1, 2, 3], 4, GREEDY, governor=governor)
+    assert governor.catch_up == DRAFTERS[name].catches_up == (name == "draft")

@@ -122,6 +122,8 @@ def decode_steps(
     stats.prompt_tokens = len(prompt_ids)
     start = time.perf_counter()
 
+    if governor is not None:
+        governor.catch_up = drafter.catches_up
     cache = target.new_cache(capacity)
     drafter.use_target_cache(cache)
     drafter.start(list(prompt_ids), capacity)

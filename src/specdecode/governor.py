@@ -8,9 +8,10 @@ drafting included) against the rate of plain one-token steps. When speculation l
 depth to what the window actually got accepted (shorter drafts cost fewer rows), then rests the drafter (plain
 steps, no drafting at all) and probes again with one-token drafts after a pause that doubles while speculation keeps
 losing; steps that accepted nothing are judged lost after a few, without waiting for a full window. Drafts grow back
-twice as deep after every few winning windows. The first speculative step after a rest is not judged: a draft model
-catches up there on the tokens decoded while it rested, a cost of the rest, and judging it rested good drafters
-again, longer each time. No anchor system does this (llama.cpp has only
+twice as deep after every few winning windows. The first speculative step after a rest is not judged when the
+drafter catches up there on the tokens decoded while it rested (a draft model's prefill of them), a cost of the
+rest: judging it rested good drafters again, longer each time. A drafter with nothing to catch up on (retrieval,
+layer skipping) is judged from that step on, so a probe that loses costs one step less. No anchor system does this (llama.cpp has only
 --draft-min); the output never depends on it (every step is verified the same way).
 """
 
@@ -38,6 +39,7 @@ class Governor:
     wins: int = 0  # winning windows in a row under the current cap
     grow_after: int = 2  # winning windows under a cap before trying twice as deep
     after_rest: bool = False  # the next speculative step follows a rest: not judged (see record)
+    catch_up: bool = True  # the drafter catches up after a rest (Drafter.catches_up; the engine sets it)
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
 
     def __post_init__(self):
@@ -61,7 +63,8 @@ class Governor:
         """A step ran as planned: it took `seconds` (drafting and verifying) and yielded `tokens`; its draft was
         `depth` deep."""
         if planned == 0:
-            self.after_rest = self.rest > 0  # a rest (or the first plain-rate measurement), not a refresh step
+            # after a rest (or the first plain-rate measurement), not a refresh step, for a drafter that catches up
+            self.after_rest = self.rest > 0 and self.catch_up
             self.rest = max(self.rest - 1, 0)
             self.since_plain = 0
             rate = tokens / max(seconds, 1e-9)

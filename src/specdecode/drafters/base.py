@@ -59,6 +59,10 @@ class Drafter(ABC):
     # True: it runs a part of the target itself (CausalLM.forward_sublayers), so it needs a target that can
     # (runs_sublayers: the native backend)
     needs_sublayers: ClassVar[bool] = False
+    # True: after plain steps (the governor resting it) its next proposal first processes the tokens decoded
+    # meanwhile (a draft model's prefill of them, a head's rows for them), so that step is slow for a reason other
+    # than speculating; the governor does not judge it. False (retrieval, layer skipping): nothing to catch up on.
+    catches_up: ClassVar[bool] = False
     max_nodes: int = 0  # most draft tokens one proposal can hold (sizes the target's cache)
     depth_limit: int | None = None  # set by the engine before each propose: the draft depth it keeps (None: all)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults

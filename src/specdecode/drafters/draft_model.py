@@ -25,6 +25,7 @@ from .vocabulary import VocabularyHead, frequent_tokens
 
 @register("draft")
 class DraftModelDrafter(Drafter):
+    catches_up = True
     sizes = {"depth": "depth", "budget": "nodes"}
     needs_draft_model = True
     variants = (

@@ -39,6 +39,7 @@ from .vocabulary import VocabularyHead
 
 class ExitDrafter(SelfDrafter):
     kind: ClassVar[str]
+    catches_up = True  # the head's cache gets rows for the tokens decoded plainly
     takes_draft_folder = True
 
     def __init__(self, target, draft_model, depth: int, length: str, threshold: float):

@@ -176,6 +176,7 @@ class DraftView:
 
 
 class ForeignDrafter(Drafter):
+    catches_up = True
     """A draft model with its own tokenizer drafts a chain of target tokens (not registered; see slem, tli, slrs).
 
     Options: `depth` (most target tokens per draft), `length` and `threshold` (the draft-length policy of
