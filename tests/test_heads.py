@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specdecode import kernels
 from specdecode.drafters import build_drafter
 from specdecode.engine import generate
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.layer import step_mask
+from specdecode.heads.layer import Linear, quantize_head, step_mask
 from specdecode.heads.speculators_format import export_speculators
 from specdecode.heads.store import load_head, save_head
 from specdecode.heads.target import new_head
@@ -268,12 +269,10 @@ def test_training_data_is_regenerated_until_max_tokens(target, tmp_path, monkeyp
     assert sum(len(s.ids) for s in kept) == 1000
 
 
-@pytest.mark.skipif(__import__("specdecode").kernels.native() is None, reason="the kernels cannot be built here")
+@pytest.mark.skipif(kernels.native() is None, reason="the kernels cannot be built here")
 def test_a_quantized_head_layer_infers_from_int8_weights_and_follows_weight_changes():
     """Heads of a quantized target draft from int8 copies of their weights: close to the float32 product, and
     remade when the weights change (training a head after drafting with it must not draft from stale weights)."""
-    from specdecode.heads.layer import Linear, quantize_head
-
     torch.manual_seed(5)
     layer = Linear(64, 48, bias=True)
     x = torch.randn(3, 2, 64)
