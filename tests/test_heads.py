@@ -284,5 +284,10 @@ def test_a_quantized_head_layer_infers_from_int8_weights_and_follows_weight_chan
         assert (quantized - dense).norm() <= 0.01 * dense.norm()
         layer.weight.mul_(2.0)  # a new version of the weight
         assert (layer(x) - (2 * (dense - layer.bias) + layer.bias)).norm() <= 0.02 * dense.norm()
+        for weights in (layer, Linear(64, 48, bias=True).to(torch.bfloat16)):  # bfloat16: its int8 copy copies the bias
+            quantize_head(weights, "int8")
+            before = weights(x).float()
+            weights.bias.add_(1.0)  # a new version of the bias alone
+            torch.testing.assert_close(weights(x).float(), before + 1.0, atol=0.02, rtol=0.01)
         layer.quantize(None)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -25,7 +25,7 @@ from .vocabulary import VocabularyHead, frequent_tokens
 
 @register("draft")
 class DraftModelDrafter(Drafter):
-    catches_up = True
+    catches_up = True  # the draft model prefills the tokens decoded plainly
     sizes = {"depth": "depth", "budget": "nodes"}
     needs_draft_model = True
     variants = (

@@ -74,10 +74,10 @@ class FeatureRows:
 
 
 class HeadDrafter(Drafter):
-    catches_up = True
     """Shared by the feature-head drafters: the head, and the head inputs of the features the target hands over
     (receive_hidden: the prompt's rows after the prefill, the root's and accepted path's after each verification)."""
 
+    catches_up = True  # the head's cache gets rows for the tokens decoded plainly
     kind: ClassVar[str]
     takes_draft_folder = True
 

@@ -176,12 +176,12 @@ class DraftView:
 
 
 class ForeignDrafter(Drafter):
-    catches_up = True
     """A draft model with its own tokenizer drafts a chain of target tokens (not registered; see slem, tli, slrs).
 
     Options: `depth` (most target tokens per draft), `length` and `threshold` (the draft-length policy of
     draft_length.py; the confidence is the draft's probability of the chain so far)."""
 
+    catches_up = True  # the draft model prefills the tokens decoded plainly
     needs_draft_model = True
     foreign_vocabulary = True
     sizes = {"depth": "depth"}

@@ -29,7 +29,7 @@ LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
 
 class Linear(nn.Linear):
     """nn.Linear whose inference (no autograd) multiplies by a cached copy of the weight, made once and remade when
-    the weight changes (its storage, version, dtype or device): by default a dense [in, out] copy (torch's CPU
+    the weight or bias changes (storage, version, dtype or device): by default a dense [in, out] copy (torch's CPU
     F.linear re-packs the [out, in] weight on every call, which at the one to a few rows of a draft step costs more
     than the product itself); after `quantize("int8")` on a CPU, the weight in specdecode's int8 format on its
     kernels (a draft step reads a quarter of the float32 bytes). Training runs nn.Linear unchanged."""
@@ -46,11 +46,12 @@ class Linear(nn.Linear):
             return super().forward(x)
         w = self.weight
         quant = self.quant if w.device.type == "cpu" and self.in_features % GROUP == 0 else None
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        bias = self.bias
+        key = (w.data_ptr(), w._version, w.dtype, w.device, None if bias is None else (bias.data_ptr(), bias._version))
         if self._inference is None or self._inference[:2] != (key, quant):
-            bias = None if self.bias is None else self.bias.detach().float()
             layer = (w.detach().t().contiguous() if quant is None  # [in, out]
-                     else NativeLinear.of(w.detach().float(), bias, quant, torch.float32))
+                     else NativeLinear.of(w.detach().float(), None if bias is None else bias.detach().float(), quant,
+                                          torch.float32))
             self._inference = (key, quant, layer)
         layer = self._inference[2]
         if quant is not None:
