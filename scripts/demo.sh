@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 MODEL=qwen2.5-coder-1.5b-instruct
 PROMPT='Write a Python function that parses a CSV file into a list of dictionaries, then refactor it to stream rows lazily. Show both versions.'
-run() { .venv/bin/specdecode generate --model "$MODEL" --quant int4 --chat --prompt "$PROMPT" --max-new-tokens 192 --compare "$@"; }
+run() { .venv/bin/specdecode generate --model "$MODEL" --quant int4 --chat --prompt "$PROMPT" --max-new-tokens 192 --compare --repeats 3 "$@"; }
 echo "=== this machine: CPU flags, kernels, cost of verifying N tokens at once (int4 weights) ==="
 .venv/bin/specdecode cost --model "$MODEL" --quant int4
 echo "=== suffix (training-free retrieval) on int4 weights, next to plain decoding of the same weights ==="

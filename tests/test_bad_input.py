@@ -161,3 +161,27 @@ def test_generate_compare_json_reports_identity_and_speedup(capsys, smollm2):
     assert spec["token_ids"] == out["baseline"]["token_ids"] and spec["new_tokens"] == len(spec["token_ids"])
     assert spec["tau"] == pytest.approx(spec["new_tokens"] / spec["target_forwards"])
     assert set(spec) >= {"text", "seconds", "tokens_per_second"}
+
+
+@pytest.mark.real_model
+def test_generate_compare_repeats_reports_the_median_of_alternated_pairs(capsys, smollm2):
+    code = main(["generate", "--model", "smollm2-135m-instruct", "--drafter", "pld", "--chat", "--prompt",
+                 "List the days of the week, then list them again.", "--dtype", "float32", "--max-new-tokens", "24",
+                 "--compare", "--repeats", "3", "--json"])
+    assert code == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert len(out["speedups"]) == 3 and out["identical"] is True
+    assert out["speedup"] == sorted(out["speedups"])[1]
+    first = out["speculative"]["tokens_per_second"] / out["baseline"]["tokens_per_second"]
+    assert out["speedups"][0] == pytest.approx(first)  # the first pair is the one whose outputs are printed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--compare", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--repeats", "3"], "--repeats needs --compare"),
+])
+def test_generate_repeats_is_checked_before_loading(capsys, extra, message):
+    code = main(["generate", "--model", "no-such-model", "--prompt", "hi", *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument(
         "--compare", action="store_true", help="also run plain decoding (drafter none) and report the speedup"
+    )
+    gen.add_argument(
+        "--repeats", type=int, default=1, help="with --compare: pairs of plain and speculative runs, alternated; "
+        "the speedup printed is their median, with the spread (a noisy machine swings from one run to the next)"
     )
     gen.set_defaults(run=cmd_generate)
 
@@ -210,17 +215,24 @@ def cmd_generate(args) -> int:
     sampling = sampling_kwargs(args)
     prompt = read_prompt(args)
     check_max_new_tokens(args.max_new_tokens)
+    check_repeats(args)
     spec = decoder_from_args(args)
     target = spec.target
     ids = spec.encode(prompt, args.chat)
     check_prompt(target, len(ids), args.max_new_tokens)
-    baseline = SpecDecoder(target, "none").generate(ids, args.max_new_tokens, **sampling) if args.compare else None
+    plain = SpecDecoder(target, "none") if args.compare else None
+    baseline = plain.generate(ids, args.max_new_tokens, **sampling) if plain else None
+
+    def more_pairs() -> list[tuple]:  # the repeats after the first pair: (plain, speculative) results, alternated
+        return [(plain.generate(ids, args.max_new_tokens, **sampling), spec.generate(ids, args.max_new_tokens,
+                 **sampling)) for _ in range(args.repeats - 1)]
 
     if args.json:
         result = spec.generate(ids, args.max_new_tokens, **sampling)
         out = result.as_dict()
         if baseline:
-            out = {"speculative": out, "baseline": baseline.as_dict(), **comparison(baseline, result)}
+            out = {"speculative": out, "baseline": baseline.as_dict(),
+                   **comparison([(baseline, result), *more_pairs()])}
             if not out["identical"] and sampling["temperature"] == 0:
                 out["divergences"] = [d.__dict__ for d in audit_prompt(spec, ids, args.max_new_tokens)]
         print(json.dumps(out))
@@ -235,8 +247,8 @@ def cmd_generate(args) -> int:
     print(f"[{args.drafter}] {summary(stats)}", file=sys.stderr)
     if baseline:
         print(f"[none] {summary(baseline.stats)}", file=sys.stderr)
-        c = comparison(baseline, Result("", tokens, stats))
-        print(f"speedup {c['speedup']:.2f}x, identical to plain decoding: {c['identical']}", file=sys.stderr)
+        c = comparison([(baseline, Result("", tokens, stats)), *more_pairs()])
+        print(f"speedup {speedup_text(c)}, identical to plain decoding: {c['identical']}", file=sys.stderr)
         if not c["identical"] and sampling["temperature"] == 0:
             for d in audit_prompt(spec, ids, args.max_new_tokens):
                 print(explain_divergence(d, str(target.dtype).removeprefix("torch.")), file=sys.stderr)
@@ -268,11 +280,29 @@ def summary(stats) -> str:
     )
 
 
-def comparison(baseline, result) -> dict:
-    return {
-        "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
-        "identical": result.token_ids == baseline.token_ids,
-    }
+def check_repeats(args) -> None:
+    if args.repeats < 1:
+        raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}.", "Pass --repeats 3, say.")
+    if args.repeats > 1 and not args.compare:
+        raise SpecDecodeError("--repeats needs --compare (it repeats the comparison with plain decoding).",
+                              "Add --compare, or drop --repeats.")
+
+
+def comparison(pairs: list[tuple]) -> dict:
+    """(plain, speculative) results of the same prompt -> the median speedup (and every pair's), and whether every
+    speculative output equals plain decoding's."""
+    speedups = [s.stats.tokens_per_second / p.stats.tokens_per_second for p, s in pairs]
+    out = {"speedup": statistics.median(speedups), "identical": all(s.token_ids == p.token_ids for p, s in pairs)}
+    if len(pairs) > 1:
+        out["speedups"] = speedups
+    return out
+
+
+def speedup_text(c: dict) -> str:
+    if "speedups" not in c:
+        return f"{c['speedup']:.2f}x"
+    runs = c["speedups"]
+    return f"{c['speedup']:.2f}x (median of {len(runs)} alternated runs, {min(runs):.2f}-{max(runs):.2f}x)"
 
 
 def cmd_bench(args) -> int:
