@@ -4,6 +4,7 @@ token-identical to plain decoding whatever it decides, for every drafter."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -183,12 +184,20 @@ def test_capped_steps_verify_narrow_drafts():
     assert 0 < stats.drafted_tokens <= 2 * (stats.target_forwards - 1)
 
 
+def rest_runs(plans: list) -> list[int]:
+    return [len(list(group)) for key, group in itertools.groupby(plans) if key == 0]
+
+
 def test_the_next_request_starts_from_what_was_learned():
-    governor = Governor()
-    run(governor, 40, spec_seconds=4.0, spec_tokens=1)  # learned: speculation loses, resting
+    governor = Governor(first_rest=4)
+    while governor.next_rest == 4:  # until the first loss of one-token drafts: resting 4 steps, next time 8
+        run(governor, 1, spec_seconds=4.0, spec_tokens=1)
     following = governor.for_next_request()
     assert following.plain_rate == governor.plain_rate and following.cap == 1
-    assert following.rest <= following.first_rest  # probes again soon: the new text may suit the drafter
+    assert 0 < following.rest <= following.first_rest  # lost once: probes again soon, the new text may suit it
+    while governor.next_rest == 8:  # ...until its probe lost too: resting 8 steps
+        run(governor, 1, spec_seconds=4.0, spec_tokens=1)
+    assert governor.for_next_request().rest == governor.rest > governor.first_rest  # a losing streak: keeps resting
     fresh = run(Governor(), 10, spec_seconds=1.2, spec_tokens=4)
     assert fresh[:2] == [0, 0]  # a fresh governor measures the plain rate first...
     winning = Governor()
@@ -222,3 +231,43 @@ def test_the_engine_tells_the_governor_whether_the_drafter_catches_up(name):
     drafter = build_drafter(name, target, draft_model=draft_model) if name == "draft" else build_drafter(name, target)
     generate(target, drafter, [1, 2, 3], 4, GREEDY, governor=governor)
     assert governor.catch_up == DRAFTERS[name].catches_up == (name == "draft")
+
+
+class ResetsEveryRequest(Governor):
+    """The planted bug: every request probes within `first_rest` steps, however often the drafter lost."""
+
+    def for_next_request(self):
+        return replace(super().for_next_request(), rest=min(self.rest, self.first_rest))
+
+
+def test_short_requests_do_not_each_pay_a_probe_of_a_drafter_that_keeps_losing():
+    def drafted_steps(governor: Governor) -> int:
+        total = 0
+        for _ in range(30):  # 30 one-line answers of 12 tokens
+            total += sum(plan != 0 for plan in run(governor, 12, spec_seconds=4.0, spec_tokens=1))
+            governor = governor.for_next_request()
+        return total
+
+    assert drafted_steps(Governor()) < 0.12 * 30 * 12  # a probe every ~64 tokens, across requests
+    assert drafted_steps(ResetsEveryRequest()) > 2 * drafted_steps(Governor())  # a probe in nearly every request
+
+
+class ProbesAFullWindow(Governor):
+    """The planted bug: a probe after a rest is judged on a full window, like any other."""
+
+    def record(self, seconds, tokens, depth, planned):
+        self.probing = False
+        super().record(seconds, tokens, depth, planned)
+
+
+def test_a_probe_after_a_rest_is_judged_after_a_few_steps():
+    """A drafter that gets a token accepted now and then but still loses (one drafted token costs 3 plain steps'
+    time): each probe costs `quick` steps, not a full window."""
+
+    def probe_lengths(governor: Governor) -> list[int]:
+        plans = run(governor, 200, spec_seconds=3.0, spec_tokens=2, depth=1)
+        probes = [len(list(group)) for key, group in itertools.groupby(plans) if key == 1]
+        return probes[1:]  # after the first rest
+
+    assert probe_lengths(Governor(catch_up=False)) and set(probe_lengths(Governor(catch_up=False))) == {3}
+    assert set(probe_lengths(ProbesAFullWindow(catch_up=False))) == {6}

@@ -7,8 +7,9 @@ the load, so the governor measures them while decoding: the rate of recent specu
 drafting included) against the rate of plain one-token steps. When speculation loses, it first caps the draft's
 depth to what the window actually got accepted (shorter drafts cost fewer rows), then rests the drafter (plain
 steps, no drafting at all) and probes again with one-token drafts after a pause that doubles while speculation keeps
-losing; steps that accepted nothing are judged lost after a few, without waiting for a full window. Drafts grow back
-twice as deep after every few winning windows. The first speculative step after a rest is not judged when the
+losing; steps that accepted nothing are judged lost after a few, without waiting for a full window, and so is a
+probe (the first window after a rest: a drafter that lost there is likely to lose again, and each probe step costs
+more than a plain one). Drafts grow back twice as deep after every few winning windows. The first speculative step after a rest is not judged when the
 drafter catches up there on the tokens decoded while it rested (a draft model's prefill of them), a cost of the
 rest: judging it rested good drafters again, longer each time. A drafter with nothing to catch up on (retrieval,
 layer skipping) is judged from that step on, so a probe that loses costs one step less. No anchor system does this
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, replace
 class Governor:
     margin: float = 1.0  # speculation must reach this share of plain decoding's rate
     window: int = 6  # speculative steps judged together
-    quick: int = 3  # ...or fewer, when none of them accepted a drafted token
+    quick: int = 3  # ...or fewer: when none of them accepted a drafted token, or when probing after a rest
     first_rest: int = 8  # plain steps after the first loss; doubles on each further loss
     max_rest: int = 64
     refresh: int = 48  # one plain step every `refresh` speculative ones keeps the plain rate current
@@ -40,6 +41,7 @@ class Governor:
     grow_after: int = 2  # winning windows under a cap before trying twice as deep
     after_rest: bool = False  # the next speculative step follows a rest: not judged (see record)
     catch_up: bool = True  # the drafter catches up after a rest (Drafter.catches_up; the engine sets it)
+    probing: bool = False  # the next judged window follows a rest: `quick` steps long
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
 
     def __post_init__(self):
@@ -49,9 +51,13 @@ class Governor:
 
     def for_next_request(self) -> "Governor":
         """The governor of the next generation with the same drafter on this machine: it keeps the plain rate and
-        the depth cap it learned (no plain steps spent measuring again, no full-depth window lost relearning a cap),
-        and probes again within `first_rest` steps if it was resting (the new text may suit the drafter)."""
-        return replace(self, recent=deque(), since_plain=0, wins=0, rest=min(self.rest, self.first_rest))
+        the depth cap it learned (no plain steps spent measuring again, no full-depth window lost relearning a cap).
+        A drafter resting after one loss probes again within `first_rest` steps (the new text may suit it); one
+        that lost its probes too keeps resting across the request boundary, so that short requests (a translation,
+        a one-line answer) do not each pay a probe of a drafter that does not pay on this machine."""
+        losing_streak = self.next_rest > 2 * self.first_rest  # lost at least twice in a row, the probe included
+        rest = self.rest if losing_streak else min(self.rest, self.first_rest)
+        return replace(self, recent=deque(), since_plain=0, wins=0, rest=rest)
 
     def plan(self) -> int | None:
         """This step's draft depth cap: 0 = a plain step (no drafting), None = no cap."""
@@ -84,8 +90,9 @@ class Governor:
         # stops sooner.
         drafted = [t for _, t, d in self.recent if d > 0]  # an empty draft (no match found) costs a plain step
         nothing_accepted = len(drafted) >= self.quick and all(t == 1 for t in drafted)
-        if len(self.recent) < self.window and not nothing_accepted:
+        if len(self.recent) < (self.quick if self.probing else self.window) and not nothing_accepted:
             return
+        self.probing = False
         seconds_sum = sum(s for s, _, _ in self.recent)
         rate = sum(t for _, t, _ in self.recent) / max(seconds_sum, 1e-9)
         deepest = max(d for _, _, d in self.recent)
@@ -103,4 +110,5 @@ class Governor:
             self.cap = max(1, min(deepest // 2, math.ceil(accepted)))
             return
         self.rest, self.cap = self.next_rest, 1  # even one drafted token does not pay: rest, then probe short drafts
+        self.probing = True
         self.next_rest = min(2 * self.next_rest, self.max_rest)
