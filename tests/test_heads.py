@@ -269,6 +269,27 @@ def test_training_data_is_regenerated_until_max_tokens(target, tmp_path, monkeyp
     assert sum(len(s.ids) for s in kept) == 1000
 
 
+def test_features_record_the_weights_of_the_target_they_came_from(target, tmp_path, monkeypatch, capsys):
+    """Features of int4 weights (train --quant int4) never pass for those of the dense weights, or back."""
+    from specdecode.cli import main
+    from specdecode.train import trainer
+    from specdecode.train.data import Conversation
+    from specdecode.train.extract import Sequence
+
+    from conftest import native_twin
+
+    monkeypatch.setattr(trainer, "sharegpt_text", lambda: "")
+    monkeypatch.setattr(trainer, "split", lambda text, count, held: ([Conversation("0", "q", "a")] * 10, []))
+    monkeypatch.setattr(trainer, "chat_sequences", lambda target, chunk, *rest: [Sequence([1] * 20, 10)] * len(chunk))
+    seen = []
+    monkeypatch.setattr(FeatureStore, "extract", lambda self, model, sequences, layers, fused, settings: seen.append(settings))
+    for model in (target, native_twin(target), native_twin(target, "int4")):
+        trainer.prepare_features("eagle", model, tmp_path / model.name, Budget(max_tokens=100))
+    assert [s.get("quant") for s in seen] == [None, None, "int4"]  # dense settings as before: their features stay valid
+    assert main(["train", "eagle3", "--model", "some-model", "--quant", "int4", "--backend", "hf"]) == 2
+    assert "--quant int4 needs the native backend" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(kernels.native() is None, reason="the kernels cannot be built here")
 def test_a_quantized_head_layer_infers_from_int8_weights_and_follows_weight_changes():
     """Heads of a quantized target draft from int8 copies of their weights: close to the float32 product, and

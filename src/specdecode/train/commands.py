@@ -28,8 +28,12 @@ def add_parsers(sub) -> None:
     train.add_argument("--lr", type=float)
     train.add_argument("--device", default="cpu", help="where the head trains: cpu, cuda, cuda:1 ...")
     train.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="the target's dtype")
-    train.add_argument("--backend", default="hf", choices=["hf", "native", "auto"],
-                       help="target backend for regeneration and features (hf: batched regeneration)")
+    train.add_argument("--backend", choices=["hf", "native", "auto"],
+                       help="target backend for regeneration and features (default hf: batched regeneration; "
+                       "native with --quant)")
+    train.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                       help="the target's weights for features and held-out tau (native backend): train on the "
+                       "weights you verify with; on a CPU int4 also extracts faster than bfloat16")
     train.add_argument("--no-bf16", action="store_true", help="train in float32 (no bfloat16 autocast)")
     train.set_defaults(run=cmd_train)
 
@@ -51,7 +55,8 @@ def cmd_train(args) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecDecodeError(f"--device {args.device}: no CUDA device is available.", "Use --device cpu.")
-    target = load_model(args.model, args.dtype, args.backend)  # the target's forwards run on the CPU engine
+    backend = args.backend or ("hf" if args.quant == "none" else "native")
+    target = load_model(args.model, args.dtype, backend, args.quant)  # the target's forwards run on the CPU engine
     budget = scaled_budget(
         target, max_tokens=args.max_tokens, epochs=args.epochs, hours=args.hours, draft_vocab=args.draft_vocab,
         exit_layer=args.exit_layer,
