@@ -282,7 +282,7 @@ def test_features_record_the_weights_of_the_target_they_came_from(target, tmp_pa
     monkeypatch.setattr(trainer, "split", lambda text, count, held: ([Conversation("0", "q", "a")] * 10, []))
     monkeypatch.setattr(trainer, "chat_sequences", lambda target, chunk, *rest: [Sequence([1] * 20, 10)] * len(chunk))
     seen = []
-    monkeypatch.setattr(FeatureStore, "extract", lambda self, model, sequences, layers, fused, settings: seen.append(settings))
+    monkeypatch.setattr(FeatureStore, "extract", lambda self, *args: seen.append(args[-1]))
     for model in (target, native_twin(target), native_twin(target, "int4")):
         trainer.prepare_features("eagle", model, tmp_path / model.name, Budget(max_tokens=100))
     assert [s.get("quant") for s in seen] == [None, None, "int4"]  # dense settings as before: their features stay valid

@@ -1,5 +1,5 @@
-"""Speculate only while it pays: an online guard that keeps speculative decoding from ever being much slower than
-plain decoding on the machine at hand.
+"""Speculate only while it pays: an online guard that keeps speculative decoding from ever being much slower than plain
+decoding on the machine at hand.
 
 Speculation pays when the tokens a step yields outweigh what the step costs (drafting plus verifying N+1 rows)
 against a one-token step. Both sides change with the text (a copy-heavy passage, a creative one), the machine and
@@ -9,11 +9,12 @@ depth to what the window actually got accepted (shorter drafts cost fewer rows),
 steps, no drafting at all) and probes again with one-token drafts after a pause that doubles while speculation keeps
 losing; steps that accepted nothing are judged lost after a few, without waiting for a full window, and so is a
 probe (the first window after a rest: a drafter that lost there is likely to lose again, and each probe step costs
-more than a plain one). Drafts grow back twice as deep after every few winning windows. The first speculative step after a rest is not judged when the
-drafter catches up there on the tokens decoded while it rested (a draft model's prefill of them), a cost of the
-rest: judging it rested good drafters again, longer each time. A drafter with nothing to catch up on (retrieval,
-layer skipping) is judged from that step on, so a probe that loses costs one step less. No anchor system does this
-(llama.cpp has only --draft-min); the output never depends on it (every step is verified the same way).
+more than a plain one). Drafts grow back twice as deep after every few winning windows. The first speculative step
+after a rest is not judged when the drafter catches up there on the tokens decoded while it rested (a draft model's
+prefill of them), a cost of the rest: judging it rested good drafters again, longer each time. A drafter with
+nothing to catch up on (retrieval, layer skipping) is judged from that step on, so a probe that loses costs one step
+less. No anchor system does this (llama.cpp has only --draft-min); the output never depends on it (every step is
+verified the same way).
 """
 
 from __future__ import annotations

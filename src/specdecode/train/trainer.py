@@ -100,9 +100,10 @@ def held_out_prompts(target, budget: Budget) -> list[list[int]]:
 def prepare_features(kind: str, target, out: Path, budget: Budget) -> FeatureStore:
     fused = kind in LAYER_STATE_KINDS
     layers = target_side.feature_layers(kind, target, budget.exit_layer) if fused else []
-    quant = getattr(target, "quant", "none")
-    settings = {"target": target.name, **({"quant": quant} if quant != "none" else {}), "max_tokens": budget.max_tokens, "answer_tokens": budget.answer_tokens,
-                "max_prompt": budget.max_prompt, "regenerate": budget.regenerate, "fused": fused, "layers": layers}
+    quant = getattr(target, "quant", "none")  # named only when quantized: dense features made before stay valid
+    settings = {"target": target.name, **({"quant": quant} if quant != "none" else {}),
+                "max_tokens": budget.max_tokens, "answer_tokens": budget.answer_tokens, "max_prompt": budget.max_prompt,
+                "regenerate": budget.regenerate, "fused": fused, "layers": layers}
     store = FeatureStore(out / "features" / ("fused" if fused else "last"))
     if store.matches(settings) and store.complete:
         return store
