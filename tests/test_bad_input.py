@@ -176,6 +176,19 @@ def test_generate_compare_repeats_reports_the_median_of_alternated_pairs(capsys,
     assert out["speedups"][0] == pytest.approx(first)  # the first pair is the one whose outputs are printed
 
 
+@pytest.mark.real_model
+def test_generate_repeats_start_each_speculative_run_afresh(capsys, smollm2):
+    """suffix remembers earlier answers: a repeat that kept them would draft this answer from the last run's copy
+    and report a speedup the first run never had."""
+    code = main(["generate", "--model", "smollm2-135m-instruct", "--drafter", "suffix", "--no-governor", "--chat",
+                 "--prompt", "Name three colours.", "--dtype", "float32", "--max-new-tokens", "24", "--compare",
+                 "--repeats", "2", "--json"])
+    assert code == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    first, second = out["target_forwards"]
+    assert first == second == out["speculative"]["target_forwards"] and first > 12
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--compare", "--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--repeats", "3"], "--repeats needs --compare"),

@@ -63,6 +63,13 @@ class SpecDecoder:
         the tuned profile's (-o profile=none: the drafter's defaults)."""
         return tuned_drafter(self.drafter_name, self.target, draft_model=self.draft_model, **self.drafter_options)
 
+    def forget(self) -> None:
+        """Drop what earlier generations taught the drafter (suffix's tree of earlier answers, a table of recycled
+        tokens) and the governor: the next generation runs as the first did, e.g. to repeat a measurement of the
+        same prompt without the drafter having memorised its answer."""
+        self.drafter = self.new_drafter()
+        self.last_governor = None
+
     def governor(self) -> Governor | None:
         """The governor of the next generation (none for plain decoding, or when turned off), carrying what the
         previous ones learned on this machine."""

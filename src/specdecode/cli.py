@@ -224,8 +224,12 @@ def cmd_generate(args) -> int:
     baseline = plain.generate(ids, args.max_new_tokens, **sampling) if plain else None
 
     def more_pairs() -> list[tuple]:  # the repeats after the first pair: (plain, speculative) results, alternated
-        return [(plain.generate(ids, args.max_new_tokens, **sampling), spec.generate(ids, args.max_new_tokens,
-                 **sampling)) for _ in range(args.repeats - 1)]
+        pairs = []
+        for _ in range(args.repeats - 1):
+            spec.forget()  # each repeat as the first: a drafter that remembers answers would have this one by heart
+            pairs.append((plain.generate(ids, args.max_new_tokens, **sampling),
+                          spec.generate(ids, args.max_new_tokens, **sampling)))
+        return pairs
 
     if args.json:
         result = spec.generate(ids, args.max_new_tokens, **sampling)
@@ -295,6 +299,7 @@ def comparison(pairs: list[tuple]) -> dict:
     out = {"speedup": statistics.median(speedups), "identical": all(s.token_ids == p.token_ids for p, s in pairs)}
     if len(pairs) > 1:
         out["speedups"] = speedups
+        out["target_forwards"] = [s.stats.target_forwards for _, s in pairs]
     return out
 
 
