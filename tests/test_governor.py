@@ -33,6 +33,11 @@ def run(governor: Governor, steps: int, spec_seconds: float, spec_tokens: int, d
     return plans
 
 
+def run_lengths(plans: list, plan) -> list[int]:
+    """The lengths of the runs of consecutive steps planned `plan` (0: rests, 1: one-token drafts)."""
+    return [len(list(group)) for key, group in itertools.groupby(plans) if key == plan]
+
+
 def test_speculation_that_pays_is_kept():
     plans = run(Governor(), 100, spec_seconds=1.5, spec_tokens=3)
     assert plans[:2] == [0, 0]  # the plain rate is measured first
@@ -59,7 +64,7 @@ def test_speculation_that_loses_is_shortened_then_rested_then_probed():
     plans = run(governor, 120, spec_seconds=4.0, spec_tokens=1)  # nothing is ever accepted
     caps = [p for p in plans if p not in (None, 0)]
     assert caps and caps[0] == 1  # nothing accepted: straight to one-token drafts, then rest
-    rests = [len(list(group)) for key, group in itertools.groupby(plans[2:]) if key == 0]
+    rests = run_lengths(plans[2:], 0)
     assert rests[0] >= 8 and max(rests) > rests[0]  # rests, longer after each further loss
     assert plans.count(0) > 60  # most steps ran plain
     assert 1 in plans[plans.index(0, 2) + 8 :]  # ...but it probed again, with one-token drafts
@@ -184,10 +189,6 @@ def test_capped_steps_verify_narrow_drafts():
     assert 0 < stats.drafted_tokens <= 2 * (stats.target_forwards - 1)
 
 
-def rest_runs(plans: list) -> list[int]:
-    return [len(list(group)) for key, group in itertools.groupby(plans) if key == 0]
-
-
 def test_the_next_request_starts_from_what_was_learned():
     governor = Governor(first_rest=4)
     while governor.next_rest == 4:  # until the first loss of one-token drafts: resting 4 steps, next time 8
@@ -266,8 +267,7 @@ def test_a_probe_after_a_rest_is_judged_after_a_few_steps():
 
     def probe_lengths(governor: Governor) -> list[int]:
         plans = run(governor, 200, spec_seconds=3.0, spec_tokens=2, depth=1)
-        probes = [len(list(group)) for key, group in itertools.groupby(plans) if key == 1]
-        return probes[1:]  # after the first rest
+        return run_lengths(plans, 1)[1:]  # the probes after the first rest
 
     assert probe_lengths(Governor(catch_up=False)) and set(probe_lengths(Governor(catch_up=False))) == {3}
     assert set(probe_lengths(ProbesAFullWindow(catch_up=False))) == {6}
