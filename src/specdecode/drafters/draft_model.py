@@ -4,6 +4,12 @@ The tree options (structure eagle2 | opt | sequoia, depth, topk, budget, length,
 tree_growth.py's; this file supplies the root's logits (the draft model's prefill of the context it has not seen)
 and the frontier expansion: one draft forward per level over that level's expanded nodes, each attending to its
 ancestors' uncommitted cache entries. Like every drafter it also takes `lookup` / `lookup_nodes` (hybrid.py).
+
+`window=W` bounds what the draft model reads of a long context: its cache holds the context's first SINKS tokens
+and its last W ones, at the positions they take in that cache (StreamingLLM's attention sinks, Xiao et al., 2023;
+TriForce, Sun et al., 2024, drafts from such a partial cache). A long prompt, or a long stretch decoded while the
+drafter rested or the suffix hybrid drafted, then costs the draft model W tokens instead of all of them; only the
+draft changes, never the output.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from ..errors import SpecDecodeError
+from ..errors import OptionError, SpecDecodeError
 from ..models.base import CausalLM, prefill
 from ..models.native.linear import Linear
 from ..sampling import SamplingParams
@@ -21,6 +27,8 @@ from ..tree import Draft
 from .base import Drafter, register
 from .tree_growth import TreeGrowth, TreeStrategy
 from .vocabulary import VocabularyHead, frequent_tokens
+
+SINKS = 4  # with a window: the context's first tokens the draft model always keeps (attention sinks)
 
 
 @register("draft")
@@ -36,6 +44,7 @@ class DraftModelDrafter(Drafter):
         {"topk": 1, "depth": 6, "length": "confidence", "threshold": 0.3},
         {"topk": 1, "depth": 4, "lookup": 2, "lookup_nodes": 6},
         {"topk": 2, "depth": 3, "vocab": 40},  # a draft vocabulary of 40 tokens (tiny models have 64)
+        {"topk": 2, "depth": 3, "budget": 6, "window": 5, "lookup": 2},  # the window after prompts and lookups
     )
     tune_grid = (
         {"depth": 3, "topk": 1}, {"depth": 5, "topk": 1}, {"depth": 4, "topk": 2, "budget": 8},
@@ -50,25 +59,42 @@ class DraftModelDrafter(Drafter):
     def __init__(
         self, target: CausalLM, draft_model: CausalLM, structure: str = "eagle2", depth: int = 4, topk: int = 2,
         budget: int = 8, length: str = "fixed", threshold: float = 0.4, min_gain: float = 0.1,
-        accept: str = "0.7,0.1,0.04,0.02", vocab: int = 0,
+        accept: str = "0.7,0.1,0.04,0.02", vocab: int = 0, window: int = 0,
     ):
+        if window < 0:
+            raise OptionError("need window >= 0 (0: the draft model reads the whole context)")
         self.tree = TreeStrategy(structure, depth, topk, budget, length, threshold, min_gain, accept)
         check_same_vocabulary(target, draft_model)
         self.model = with_draft_vocabulary(draft_model, vocab) if vocab else draft_model
         self.max_nodes = self.tree.max_nodes
+        self.window = window
         self.cache = None
+        self.skipped = 0  # context tokens left out of the draft model's cache, after its first SINKS
 
     def start(self, prompt_ids, capacity):
         self.cache = self.model.new_cache(capacity + self.tree.expanded_nodes + 1)
+        self.skipped = 0
 
     def propose(self, context, params: SamplingParams, generator) -> Draft:
-        cache = self.cache
-        cache.truncate(len(context) - 1)  # drop what the target did not accept; keep the shared prefix
-        root_logits = prefill(self.model, cache, context[cache.length :])  # [V]
-        expansion = _CacheExpansion(self.model, cache, len(context))
+        root_logits = self._catch_up(context)  # [V]
+        expansion = _CacheExpansion(self.model, self.cache, self.cache.length)
         draft = self.tree.grow(expansion, root_logits, params, generator, self.depth_limit)
-        cache.discard()
+        self.cache.discard()
         return draft
+
+    def _catch_up(self, context: list[int]) -> torch.Tensor:  # [V]
+        """Bring the draft model's cache up to the context (all of it, or the sinks and the window); return its
+        logits after the context's last token."""
+        cache = self.cache
+        cache.truncate(len(context) - 1 - self.skipped)  # drop what the target did not accept; keep the rest
+        start = cache.length + self.skipped  # the first context token the cache lacks
+        if self.window and len(context) - start > self.window + SINKS:  # cheaper to start a new window
+            if cache.length < SINKS:  # nothing is skipped before the sinks are in
+                prefill(self.model, cache, context[cache.length : SINKS])
+            cache.truncate(SINKS)
+            self.skipped = len(context) - self.window - SINKS
+            start = len(context) - self.window
+        return prefill(self.model, cache, context[start:])
 
     def commit(self, verdict, draft, target_logits) -> None:
         self.tree.update(verdict, draft)
@@ -76,7 +102,8 @@ class DraftModelDrafter(Drafter):
 
 class _CacheExpansion:
     """Expands a frontier with one draft-model forward over its nodes; each node attends to the committed context
-    and to its ancestors' entries, uncommitted in the draft model's cache."""
+    and to its ancestors' entries, uncommitted in the draft model's cache. Positions count cache entries (the
+    root's is context_len - 1)."""
 
     def __init__(self, model: CausalLM, cache, context_len: int):
         self.model, self.cache, self.context_len = model, cache, context_len
