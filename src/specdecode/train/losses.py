@@ -66,6 +66,7 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
     draft_head = frozen["draft_lm_head"]  # [Vd, d]
     with torch.no_grad():
         target_logits = last @ draft_head.T  # [B, T, Vd]: the target's distribution over the draft vocabulary
+        target_top = F.pad(target_logits.argmax(-1), (0, steps))  # [B, T+steps] the target's greedy token
     in_vocab = head.t2d[ids]  # [B, T]: the next token is drafteable
     pad = steps  # tokens, targets and masks padded so every step reads `t` rows
     ids_p = F.pad(ids, (0, pad))
@@ -86,7 +87,8 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
         rows = ok[:, 2 + step : 2 + step + t]  # the token predicted (t+2+j) is in the answer and drafteable
         loss = masked_mean(soft_cross_entropy(wanted, logits), weight_p[:, 2 + step : 2 + step + t])
         total = total + (0.8**step) * loss
-        metrics[f"acc{step}"] = float(masked_mean((logits.argmax(-1) == wanted.argmax(-1)).float(), rows))
+        top = target_top[:, 1 + step : 1 + step + t]
+        metrics[f"acc{step}"] = float(masked_mean((logits.argmax(-1) == top).float(), rows))
     metrics["acc"] = metrics["acc0"]
     return total, metrics
 
