@@ -312,3 +312,15 @@ def test_a_quantized_head_layer_infers_from_int8_weights_and_follows_weight_chan
             torch.testing.assert_close(weights(x).float(), before + 1.0, atol=0.02, rtol=0.01)
         layer.quantize(None)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.skipif(kernels.native() is None, reason="the kernels cannot be built here")
+def test_a_head_handed_over_as_a_module_drafts_from_int8_weights_for_a_quantized_target(target):
+    """The trainer's held-out tau hands its head over as a module: it must draft as the head loaded from a folder
+    does (int8 copies for a quantized target, dense for a dense one)."""
+    head = new_head("eagle3", target, seed=0, draft_vocab_size=48)
+    linears = [m for m in head.modules() if isinstance(m, Linear)]
+    build_drafter("eagle3", native_twin(target, "int4"), draft_model=head)
+    assert linears and {m.quant for m in linears} == {"int8"}
+    build_drafter("eagle3", target, draft_model=head)
+    assert {m.quant for m in linears} == {None}

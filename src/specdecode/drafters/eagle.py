@@ -37,10 +37,23 @@ def _cached_head(folder: str, kind: str, dtype: torch.dtype):
 
 def resolve_head(target, kind: str, draft_model):
     """The head for `target`: a loaded head module, a folder, or (None) the one cached for the target."""
-    if isinstance(draft_model, torch.nn.Module):
-        if draft_model.config.kind != kind:
-            raise SpecDecodeError(f"an {draft_model.config.kind} head cannot drive the {kind} drafter.", f"Pass an {kind} head.")
-        return draft_model
+    given = isinstance(draft_model, torch.nn.Module)
+    head = _given_head(kind, draft_model) if given else _folder_head(target, kind, draft_model)
+    # A quantized target runs for speed: its head drafts from int8 weights too (a float32 head's bytes can cost as
+    # much as the target's int4 layers), whether loaded here or handed over by the trainer (held-out tau is then
+    # measured as the drafter runs). Only speed depends on the draft's numbers, never the output; training is
+    # unaffected (heads.layer.Linear).
+    quantize_head(head, "int8" if getattr(target, "quant", "none") != "none" else None)
+    return head
+
+
+def _given_head(kind: str, head: torch.nn.Module) -> torch.nn.Module:
+    if head.config.kind != kind:
+        raise SpecDecodeError(f"an {head.config.kind} head cannot drive the {kind} drafter.", f"Pass an {kind} head.")
+    return head
+
+
+def _folder_head(target, kind: str, draft_model) -> torch.nn.Module:
     folder = Path(draft_model).expanduser() if draft_model is not None else find_head(target.name, kind)
     if not folder.is_dir():
         raise SpecDecodeError(f"draft head folder {folder} does not exist.", "Pass the folder `specdecode train` wrote.")
@@ -50,9 +63,6 @@ def resolve_head(target, kind: str, draft_model):
             f"the head in {folder} was made for hidden size {head.config.hidden_size}, {target.name} has "
             f"{target_side.hidden_size(target)}.", "Use the head trained for this target.",
         )
-    # A quantized target runs for speed: its head drafts from int8 weights too (a float32 head's bytes can cost as
-    # much as the target's int4 layers). Only speed depends on the draft's numbers, never the output.
-    quantize_head(head, "int8" if getattr(target, "quant", "none") != "none" else None)
     return head
 
 
