@@ -173,3 +173,27 @@ def test_sized_drafts_follow_the_cost_curve():
     assert sized_options(DRAFTERS["pld"], middle) == {"k": sized(middle)["depth"]}
     for name, cls in DRAFTERS.items():  # every sized option set builds
         assert set(sized_options(cls, middle)) <= set(inspect.signature(cls.__init__).parameters)
+
+
+def test_given_options_keep_the_sizes_of_the_cost_curve_they_do_not_name(tiny_pair, tmp_path, monkeypatch):
+    """`-o vocab=N` must not silently drop the tree this machine's curve sized (the bench measured a budget-8 tree
+    against a budget-4 one that way); a given size option wins over the curve's."""
+    from specdecode.bench.report import option_source
+    from specdecode.tune import machine
+    from specdecode.tune.machine import sized
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # no tuned profile
+    steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0, 32: 30.0}
+    monkeypatch.setattr(machine, "cost_report", lambda target: {"curve": [{"rows": q, "ms": 1e3 * s} for q, s in steep.items()]})
+    target, draft_model = tiny_pair
+    depth, nodes = sized(steep)["depth"], sized(steep)["nodes"]
+    assert (depth, nodes) != (build_drafter("draft", target, draft_model).tree.depth, 8)  # the curve changes them
+    for given, sized_names in (({}, ("depth", "budget")), ({"vocab": 40}, ("depth", "budget")), ({"depth": 3}, ("budget",))):
+        drafter = tuned_drafter("draft", target, draft_model=draft_model, **given)
+        assert (drafter.tree.depth, drafter.tree.budget) == (given.get("depth", depth), nodes)
+        assert drafter.sized == sized_names and not drafter.tuned
+        record = dict(drafter.options, tuned=False, sized=list(drafter.sized))
+        chosen = dict(drafter.options)
+        assert option_source(record, chosen) == ("sized from the cost curve" if not given else
+                                                 f"given; {', '.join(sized_names)} sized from the cost curve")
+    assert tuned_drafter("draft", target, draft_model=draft_model, vocab=40).model is not draft_model  # vocab applied

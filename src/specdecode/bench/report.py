@@ -157,7 +157,19 @@ def _options_section(records) -> list[str]:
     for method, options in seen.items():
         chosen = {key: value for key, value in options.items() if key not in ("tuned", "sized", "governor")}
         shown = " ".join(f"{key}={value}" for key, value in chosen.items()) or "(defaults)"
-        source = ("tuned profile" if options.get("tuned") else "sized from the cost curve" if options.get("sized")
-                  else "given" if chosen else "defaults")
+        source = option_source(options, chosen)
         lines.append(f"| {method} | {shown} | {source} | {'on' if options.get('governor') else 'off'} |")
     return lines
+
+
+def option_source(options: dict, chosen: dict) -> str:
+    """Where a row's options came from: the tuned profile, the cost curve (`sized`: the names it set; true in
+    records written before it named them), given, or the drafter's defaults."""
+    if options.get("tuned"):
+        return "tuned profile"
+    sized = options.get("sized") or ()
+    sized = list(chosen) if sized is True else list(sized)
+    given = [key for key in chosen if key not in sized]
+    if sized and given:
+        return f"given; {', '.join(sized)} sized from the cost curve"
+    return "sized from the cost curve" if sized else "given" if given else "defaults"

@@ -67,7 +67,7 @@ class Drafter(ABC):
     depth_limit: int | None = None  # set by the engine before each propose: the draft depth it keeps (None: all)
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
     tuned: bool = False  # True when those options came from the tuned profile (set by tune.profile.tuned_drafter)
-    sized: bool = False  # True when its size options came from this machine's cost curve (idem)
+    sized: tuple[str, ...] = ()  # the size options that came from this machine's cost curve (idem)
     # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
     variants: ClassVar[tuple[dict, ...]] = ({},)
     # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.

@@ -2,8 +2,10 @@
 
 A profile is one JSON file under <cache>/profiles/. The API, CLI, bench and server build drafters with
 tuned_drafter, which applies a drafter's tuned options when the caller gave none; any explicit option wins (the
-tuned set is then not used at all, so options never mix), and the option profile=none turns the lookup off (to
-compare tuned against hand-picked defaults). drafters.build_drafter itself never reads a profile.
+tuned set is then not used at all, so tuned options never mix with given ones), and the option profile=none turns
+the lookup off (to compare tuned against hand-picked defaults). Without a tuned set, the size options the caller did
+not give come from this machine's cost curve (`-o vocab=N` keeps the sized tree). drafters.build_drafter itself
+never reads a profile.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def check_profile(profile: str) -> None:
 
 def tuned_drafter(name: str, target, draft_model=None, profile: str = "auto", **options):
     """build_drafter, with the options saved for this drafter, target and draft model when none are given; with
-    none saved either, its size options set from this machine's forward-cost curve (measured once and cached)."""
+    none saved either, the size options not given set from this machine's forward-cost curve (measured once and
+    cached)."""
     check_drafter_name(name)
     check_profile(profile)
     tuned = None if options else tuned_options(name, target, draft_model, profile)  # {}: tune chose the defaults
-    sized = {} if options or tuned is not None or profile == "none" else machine_sized_options(name, target)
-    drafter = build_drafter(name, target, draft_model, **(options or tuned or sized))
+    sized = {} if tuned is not None or profile == "none" else machine_sized_options(name, target)
+    sized = {key: value for key, value in sized.items() if key not in options}
+    drafter = build_drafter(name, target, draft_model, **(tuned if tuned is not None else {**sized, **options}))
     drafter.tuned = tuned is not None
-    drafter.sized = bool(sized)
+    drafter.sized = tuple(sized)
     return drafter
 
 
