@@ -197,3 +197,10 @@ def test_given_options_keep_the_sizes_of_the_cost_curve_they_do_not_name(tiny_pa
         assert option_source(record, chosen) == ("sized from the cost curve" if not given else
                                                  f"given; {', '.join(sized_names)} sized from the cost curve")
     assert tuned_drafter("draft", target, draft_model=draft_model, vocab=40).model is not draft_model  # vocab applied
+
+    def unwanted(target):
+        raise AssertionError("the curve was measured though every size option was given")
+
+    monkeypatch.setattr(machine, "cost_report", unwanted)
+    drafter = tuned_drafter("draft", target, draft_model=draft_model, depth=2, budget=3)
+    assert (drafter.tree.depth, drafter.tree.budget, drafter.sized) == (2, 3, ())

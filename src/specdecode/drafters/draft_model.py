@@ -102,11 +102,11 @@ class DraftModelDrafter(Drafter):
 
 class _CacheExpansion:
     """Expands a frontier with one draft-model forward over its nodes; each node attends to the committed context
-    and to its ancestors' entries, uncommitted in the draft model's cache. Positions count cache entries (the
-    root's is context_len - 1)."""
+    and to its ancestors' entries, uncommitted in the draft model's cache. Positions count cache entries: the root
+    is the last of the `committed` ones."""
 
-    def __init__(self, model: CausalLM, cache, context_len: int):
-        self.model, self.cache, self.context_len = model, cache, context_len
+    def __init__(self, model: CausalLM, cache, committed: int):
+        self.model, self.cache, self.committed = model, cache, committed
         self.slot: dict[int, int] = {}  # node -> its offset among the cache's uncommitted entries
 
     def __call__(self, tree: TreeGrowth, frontier: list[int], depth: int) -> torch.Tensor:  # [F, V]
@@ -118,7 +118,7 @@ class _CacheExpansion:
             mask[row, pending + row] = True
             self.slot[node] = pending + row
         ids = torch.tensor([tree.tokens[n] for n in frontier])
-        positions = torch.full((f,), self.context_len + depth - 1)
+        positions = torch.full((f,), self.committed + depth - 1)
         return self.model.forward(self.cache, ids, positions, mask)
 
 

@@ -61,23 +61,24 @@ def tuned_drafter(name: str, target, draft_model=None, profile: str = "auto", **
     check_drafter_name(name)
     check_profile(profile)
     tuned = None if options else tuned_options(name, target, draft_model, profile)  # {}: tune chose the defaults
-    sized = {} if tuned is not None or profile == "none" else machine_sized_options(name, target)
-    sized = {key: value for key, value in sized.items() if key not in options}
+    sized = {} if tuned is not None or profile == "none" else machine_sized_options(name, target, given=options)
     drafter = build_drafter(name, target, draft_model, **(tuned if tuned is not None else {**sized, **options}))
     drafter.tuned = tuned is not None
     drafter.sized = tuple(sized)
     return drafter
 
 
-def machine_sized_options(name: str, target) -> dict:
-    """The drafter's size options from the cost curve of this machine and target (tune.machine)."""
+def machine_sized_options(name: str, target, given: dict | None = None) -> dict:
+    """The drafter's size options not in `given` from the cost curve of this machine and target (tune.machine); the
+    curve is measured only if one is wanted."""
     from ..drafters import DRAFTERS
     from .machine import cost_report, seconds_by_rows, sized_options
 
     cls = DRAFTERS[name]
-    if not cls.sizes:
+    if all(option in (given or {}) for option in cls.sizes):
         return {}
-    return sized_options(cls, seconds_by_rows(cost_report(target)))
+    sized = sized_options(cls, seconds_by_rows(cost_report(target)))
+    return {option: value for option, value in sized.items() if option not in (given or {})}
 
 
 def tuned_options(name: str, target, draft_model, profile: str) -> dict | None:
