@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 
 import pytest
@@ -152,7 +153,7 @@ def test_generate_compare_json_reports_identity_and_speedup(capsys, smollm2):
                  "List the days of the week, then list them again.", "--dtype", "float32", "--max-new-tokens", "40",
                  "--compare", "--json"])
     assert code == 0
-    out = __import__("json").loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
     spec = out["speculative"]
     assert out["identical"] is True
     assert out["speedup"] == pytest.approx(spec["tokens_per_second"] / out["baseline"]["tokens_per_second"])
@@ -169,7 +170,7 @@ def test_generate_compare_repeats_reports_the_median_of_alternated_pairs(capsys,
                  "List the days of the week, then list them again.", "--dtype", "float32", "--max-new-tokens", "24",
                  "--compare", "--repeats", "3", "--json"])
     assert code == 0
-    out = __import__("json").loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
     assert len(out["speedups"]) == 3 and out["identical"] is True
     assert out["speedup"] == sorted(out["speedups"])[1]
     first = out["speculative"]["tokens_per_second"] / out["baseline"]["tokens_per_second"]
@@ -184,7 +185,7 @@ def test_generate_repeats_start_each_speculative_run_afresh(capsys, smollm2):
                  "--prompt", "Name three colours.", "--dtype", "float32", "--max-new-tokens", "24", "--compare",
                  "--repeats", "2", "--json"])
     assert code == 0
-    out = __import__("json").loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
     first, second = out["target_forwards"]
     assert first == second == out["speculative"]["target_forwards"] and first > 12
 

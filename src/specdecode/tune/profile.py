@@ -74,11 +74,11 @@ def machine_sized_options(name: str, target, given: dict | None = None) -> dict:
     from ..drafters import DRAFTERS
     from .machine import cost_report, seconds_by_rows, sized_options
 
-    cls = DRAFTERS[name]
-    if all(option in (given or {}) for option in cls.sizes):
+    cls, given = DRAFTERS[name], given or {}
+    if all(option in given for option in cls.sizes):
         return {}
     sized = sized_options(cls, seconds_by_rows(cost_report(target)))
-    return {option: value for option, value in sized.items() if option not in (given or {})}
+    return {option: value for option, value in sized.items() if option not in given}
 
 
 def tuned_options(name: str, target, draft_model, profile: str) -> dict | None:
