@@ -155,6 +155,13 @@ def _build(isa: str) -> Kernels | None:
     return Kernels(module, isa)
 
 
+@lru_cache(maxsize=1)
+def build_id() -> str:
+    """Names one build of cpu.cpp (its source, torch, the architecture): what its speed was measured with."""
+    source = SOURCE.read_bytes()
+    return hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
+
+
 def _compile():
     from torch.utils.cpp_extension import load
 
@@ -164,8 +171,7 @@ def _compile():
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
+    digest = build_id()
     build = cache_root() / "kernels" / digest
     name = f"specdecode_cpu_{digest}"
     built = build / f"{name}.so"

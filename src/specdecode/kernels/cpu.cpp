@@ -318,15 +318,14 @@ void q4_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
-      // Integer sums: their order does not change the result. Few rows: two chains per row hide vpdpbusd's
-      // latency; from 4 rows on, the rows' chains do, and one chain saves the add.
-      constexpr int chains = R >= 4 ? 1 : 2;
+      // Integer sums: their order does not change the result. Two chains per row hide vpdpbusd's latency, whatever
+      // the number of rows (one chain a row, from 4 rows on, left the vector pipes idle).
       __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
       for (int c = 0; c < 4; ++c) {
         part[0] = dpbusd_bcast(part[0], lo[c], codes + 4 * c);
-        part[chains - 1] = dpbusd_bcast(part[chains - 1], hi[c], codes + 16 + 4 * c);
+        part[1] = dpbusd_bcast(part[1], hi[c], codes + 16 + 4 * c);
       }
-      const __m512i dot = chains == 2 ? _mm512_add_epi32(part[0], part[1]) : part[0];
+      const __m512i dot = _mm512_add_epi32(part[0], part[1]);
       const float sa = a.scales[row * blocks + b], shift = a.shifts[row * blocks + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(sa)), acc[r]);
       accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(shift), accm[r]);
@@ -351,10 +350,9 @@ void q8_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
-      constexpr int chains = R >= 4 ? 1 : 2;  // as in q4_tile_avx512
       __m512i part[2] = {_mm512_set1_epi32(-128 * a.sums[row * blocks + b]), _mm512_setzero_si512()};
-      for (int c = 0; c < 8; ++c) part[c % chains] = dpbusd_bcast(part[c % chains], w[c], codes + 4 * c);
-      const __m512i dot = chains == 2 ? _mm512_add_epi32(part[0], part[1]) : part[0];
+      for (int c = 0; c < 8; ++c) part[c % 2] = dpbusd_bcast(part[c % 2], w[c], codes + 4 * c);  // as in q4
+      const __m512i dot = _mm512_add_epi32(part[0], part[1]);
       const float sa = a.scales[row * blocks + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(sa)), acc[r]);
     }

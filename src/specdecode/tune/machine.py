@@ -64,7 +64,8 @@ def kernels_in_use(target) -> dict:
 
 def curve_path(target) -> Path:
     cpu = capability()
-    machine = f"{cpu['model']}:{','.join(cpu['flags'])}:{cpu['threads']}:{cpu['isa']}:{torch.__version__}"
+    # a new build of the kernels is measured anew: its speed is what the curve is about
+    machine = f"{cpu['model']}:{','.join(cpu['flags'])}:{cpu['threads']}:{cpu['isa']}:{kernels.build_id()}"
     digest = hashlib.sha256(machine.encode()).hexdigest()[:12]
     key = f"{target.name}-{str(target.dtype).removeprefix('torch.')}-{target.quant}-{type(target).__name__}-{digest}"
     return cache_root() / "cost" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")
