@@ -9,9 +9,11 @@ depth to what the window actually got accepted (shorter drafts cost fewer rows),
 steps, no drafting at all) and probes again with one-token drafts after a pause that doubles while speculation keeps
 losing; steps that accepted nothing are judged lost after a few, without waiting for a full window, and so is a
 probe (the first window after a rest: a drafter that lost there is likely to lose again, and each probe step costs
-more than a plain one). Drafts grow back twice as deep after every few winning windows. The first speculative step
-after a rest is not judged when the drafter catches up there on the tokens decoded while it rested (a draft model's
-prefill of them), a cost of the rest: judging it rested good drafters again, longer each time. A drafter with
+more than a plain one). A winning window halves the next pause rather than resetting it, so that chance wins of a
+drafter that loses on average do not each buy a return to short rests. Drafts grow back twice as deep after every
+few winning windows. The first speculative step after a rest is not judged when the drafter catches up there on the
+tokens decoded while it rested (a draft model's prefill of them), a cost of the rest: judging it rested good
+drafters again, longer each time. A drafter with
 nothing to catch up on (retrieval, layer skipping) is judged from that step on, so a probe that loses costs one step
 less. No anchor system does this (llama.cpp has only --draft-min); the output never depends on it (every step is
 verified the same way).
@@ -100,7 +102,10 @@ class Governor:
         accepted = sum(t - 1 for _, t, _ in self.recent) / len(self.recent)  # mean accepted draft tokens a step
         self.recent.clear()
         if rate >= self.margin * self.plain_rate and not nothing_accepted:
-            self.next_rest = self.first_rest
+            # A win halves the next pause instead of forgetting the losses: a few lucky steps of a drafter that
+            # loses on average (a probe of `quick` steps wins by chance) then buy one short spell, not a return to
+            # short rests; a drafter that keeps winning is back at `first_rest` after a few windows.
+            self.next_rest = max(self.first_rest, self.next_rest // 2)
             self.wins += 1
             if self.cap is not None and self.wins >= self.grow_after:  # winning under a cap for a while: go deeper
                 self.cap = None if self.cap * 2 >= self.full_depth else self.cap * 2
