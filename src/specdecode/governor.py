@@ -13,10 +13,9 @@ more than a plain one). A winning window halves the next pause rather than reset
 drafter that loses on average do not each buy a return to short rests. Drafts grow back twice as deep after every
 few winning windows. The first speculative step after a rest is not judged when the drafter catches up there on the
 tokens decoded while it rested (a draft model's prefill of them), a cost of the rest: judging it rested good
-drafters again, longer each time. A drafter with
-nothing to catch up on (retrieval, layer skipping) is judged from that step on, so a probe that loses costs one step
-less. No anchor system does this (llama.cpp has only --draft-min); the output never depends on it (every step is
-verified the same way).
+drafters again, longer each time. A drafter with nothing to catch up on (retrieval, layer skipping) is judged from
+that step on, so a probe that loses costs one step less. No anchor system does this (llama.cpp has only
+--draft-min); the output never depends on it (every step is verified the same way).
 """
 
 from __future__ import annotations
