@@ -280,6 +280,7 @@ class ForgetsLossesOnAWin(Governor):
     def record(self, seconds, tokens, depth, planned):
         before = self.next_rest
         super().record(seconds, tokens, depth, planned)
+        # only a win leaves the pause at half its value (a loss keeps or doubles it)
         if self.next_rest == max(self.first_rest, before // 2) and before > self.first_rest:
             self.next_rest = self.first_rest
 
