@@ -47,12 +47,14 @@ def test_suffix_matches_lists_every_length_up_to_the_longest():
 
 def test_speculation_tree_keeps_the_most_frequent_nodes():
     continuations = [[1, 9, 7], [1, 9, 7, 2], [2, 9, 7]]
-    draft = speculation_tree(continuations, 16, 0.0)  # most frequent first
+    draft, expected = speculation_tree(continuations, 16, 0.0)  # most frequent first
     assert draft.tokens.tolist() == [1, 9, 7, 2, 2, 9, 7] and draft.parents.tolist() == [-1, 0, 1, 2, -1, 4, 5]
-    draft = speculation_tree(continuations, 16, 0.5)  # "2 ..." is a third of the occurrences
-    assert draft.tokens.tolist() == [1, 9, 7] and draft.parents.tolist() == [-1, 0, 1]
-    draft = speculation_tree(continuations, 4, 0.0)  # 1, 9, 7 (count 2), then the first node of count 1
+    assert expected == pytest.approx((2 + 2 + 2 + 1 + 1 + 1 + 1) / 3)  # each node's share of the continuations
+    draft, expected = speculation_tree(continuations, 16, 0.5)  # "2 ..." is a third of the occurrences
+    assert draft.tokens.tolist() == [1, 9, 7] and draft.parents.tolist() == [-1, 0, 1] and expected == 2.0
+    draft, _ = speculation_tree(continuations, 4, 0.0)  # 1, 9, 7 (count 2), then the first node of count 1
     assert draft.tokens.tolist() == [1, 9, 7, 2] and draft.parents.tolist() == [-1, 0, 1, 2]
+    assert speculation_tree([], 4, 0.0)[1] == 0.0 and speculation_tree([[]], 4, 0.0)[1] == 0.0
 
 
 def test_longest_match_and_continuation_counts():

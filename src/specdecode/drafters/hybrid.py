@@ -27,7 +27,7 @@ class LookupHybrid(Drafter):
         if lookup < 1 or lookup_nodes < 1:
             raise OptionError("need lookup >= 1 (0 turns the lookup off) and lookup_nodes >= 1")
         self.inner, self.lookup = inner, lookup
-        self.retrieval = SuffixDrafter(target, max_nodes=lookup_nodes)
+        self.retrieval = SuffixDrafter(target, max_nodes=lookup_nodes, corpus="none")  # this request, earlier outputs
         # What the engine reads of a drafter is the wrapped one's, the node bound covering both drafts.
         self.name, self.supports_sampling = inner.name, inner.supports_sampling
         self.max_nodes = max(inner.max_nodes, lookup_nodes)

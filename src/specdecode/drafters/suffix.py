@@ -2,18 +2,21 @@
 suffix of the context that occurred before.
 
 Sources: the current request's tokens (prompt and output so far, copied in as the context grows), the outputs of
-earlier requests (the last `max_history` tokens; SuffixDecoding's global tree), and an optional corpus (option
-`corpus`, a text or .jsonl file tokenized once with the target's tokenizer). The longest suffix of at most
-`max_match` tokens that occurs in any of them (REST tries lengths 16..2; here one numpy scan narrows the last
-token's occurrences one token at a time) gives up to `max_occurrences` occurrences, most recent first. Their
-continuations form a trie whose nodes are weighted by frequency: a child's probability is count(child) /
+earlier requests (the last `max_history` tokens; SuffixDecoding's global tree), and REST's datastore (option
+`corpus`: "sharegpt", the default, is the ShareGPT answers shipped with specdecode; a text or .jsonl file; "none";
+datastore.py indexes it with a suffix array, built once per tokenizer and cached). The longest suffix of at most
+`max_match` tokens that occurs in the request or the history (REST tries lengths 16..2; here one numpy scan narrows
+the last token's occurrences one token at a time) gives up to `max_occurrences` occurrences, most recent first; the
+datastore's longest match (binary searches in its suffix array) gives as many, spread over its occurrences. Each
+set of continuations forms a trie whose nodes are weighted by frequency: a child's probability is count(child) /
 count(parent), so a path's probability is the share of occurrences that continue along it (SuffixDecoding's
 speculation tree). The most probable nodes are kept, down to `min_prob`, up to an adaptive budget that grows with
-the match: ceil(alpha * match length), capped at max_nodes (SuffixDecoding's max_spec_factor).
+the match: ceil(alpha * match length), capped at max_nodes (SuffixDecoding's max_spec_factor). Of the two trees the
+one expecting more accepted tokens (the sum of its nodes' probabilities) is drafted, the request's on a tie
+(SuffixDecoding's choice between its prompt tree and its global tree).
 Deterministic drafts (draft_probs None): sampling uses the point-mass rule and stays lossless.
-Defaults by tau on own prompts (Qwen2.5-Coder 1.5B, bf16, 5 chat prompts, 128 tokens), replayed against recorded
-greedy outputs: alpha 2 / 4 / 8 give tau 1.40 / 1.42 / 1.45 with 1.7 / 2.9 / 5.0 nodes per step (pld: 1.38 with
-4.0); without earlier outputs 1.39, with a 100 kB Python corpus 1.51. End to end, alpha 4: tau 1.45.
+Defaults (alpha, min_prob) by tau replayed against the target's recorded greedy outputs on held-out ShareGPT and the
+shipped tuning prompts (benchmarks/results name the runs).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ import torch
 from ..errors import OptionError
 from ..tree import Draft, trie
 from .base import Drafter, register
-from .ngram_table import read_corpus, suffix_matches
-
-SEPARATOR = -1  # between corpus documents: matches no token, and ends a continuation
+from .datastore import SEPARATOR, SHAREGPT, datastore
+from .ngram_table import suffix_matches
 
 
 @register("suffix")
@@ -47,7 +49,7 @@ class SuffixDrafter(Drafter):
         min_prob: float = 0.1,
         max_occurrences: int = 64,
         max_history: int = 100_000,
-        corpus: str | None = None,
+        corpus: str = SHAREGPT,
     ):
         if min(max_match, max_nodes, max_occurrences) < 1 or alpha <= 0 or not 0 <= min_prob <= 1 or max_history < 0:
             raise OptionError(
@@ -55,8 +57,7 @@ class SuffixDrafter(Drafter):
             )
         self.max_match, self.max_nodes, self.alpha = max_match, max_nodes, alpha
         self.min_prob, self.max_occurrences, self.max_history = min_prob, max_occurrences, max_history
-        documents = read_corpus(corpus, target.tokenizer) if corpus else []
-        self.corpus = np.array([t for doc in documents for t in doc + [SEPARATOR]], dtype=np.int64)  # [C]
+        self.datastore = datastore(corpus, target.tokenizer) if corpus not in ("none", "") else None
         self.history = np.zeros(0, dtype=np.int64)  # [H] earlier requests' outputs, each followed by SEPARATOR
         self.tokens = np.zeros(0, dtype=np.int64)  # this request's tokens; the first `length` are filled
         self.length = 0
@@ -74,23 +75,36 @@ class SuffixDrafter(Drafter):
         return self.lookup(context)[1]
 
     def lookup(self, context: list[int]) -> tuple[int, Draft]:
-        """The longest suffix match's length (0: none) and its speculation tree."""
+        """The chosen suffix match's length (0: none) and its speculation tree: the request's and earlier outputs'
+        longest match, or the datastore's where its tree expects more accepted tokens (SuffixDecoding picks between
+        its prompt tree and its global tree by the same score). A document being summarised matches a shorter suffix
+        than a corpus of millions of tokens does, yet predicts its copy far better."""
         self._append(context[self.length :])  # the first token (sampled at prefill) is not in any verdict
         own = self.tokens[: self.length]
         suffix = own[-self.max_match :]
-        sources = [
-            (tokens, suffix_matches(tokens, suffix, self.max_match)) for tokens in (own, self.history, self.corpus)
-        ]
+        candidates = [self._recent(own, suffix)]
+        if self.datastore is not None:
+            match = self.datastore.longest_match(suffix)
+            budget = self._budget(match.length)
+            candidates.append((match.length, self.datastore.continuations(match, self.max_occurrences, budget)))
+        scored = [(length, *speculation_tree(found, self._budget(length), self.min_prob)) for length, found in candidates]
+        match_len, draft, _ = max(scored, key=lambda candidate: candidate[2])  # a tie: the request's own
+        return match_len, draft
+
+    def _recent(self, own: np.ndarray, suffix: np.ndarray) -> tuple[int, list[list[int]]]:
+        """The longest match in this request and the earlier outputs, and its continuations, most recent first."""
+        sources = [(tokens, suffix_matches(tokens, suffix, self.max_match)) for tokens in (own, self.history)]
         match_len = max(len(levels) for _, levels in sources)
-        if not match_len:
-            return 0, Draft.empty()
-        budget = min(self.max_nodes, math.ceil(self.alpha * match_len))
+        budget = self._budget(match_len)
         continuations: list[list[int]] = []
         for tokens, levels in sources:
-            if len(levels) == match_len:
+            if match_len and len(levels) == match_len:
                 ends = levels[-1][::-1][: self.max_occurrences - len(continuations)]  # most recent first
                 continuations += [_until_separator(tokens[end : end + budget]) for end in ends]
-        return match_len, speculation_tree(continuations, budget, self.min_prob)
+        return match_len, continuations
+
+    def _budget(self, match_len: int) -> int:
+        return min(self.max_nodes, math.ceil(self.alpha * match_len))
 
     def commit(self, verdict, draft, target_logits) -> None:
         self._append(verdict.new_tokens)  # here rather than at the next proposal: the last step's tokens count too
@@ -108,13 +122,17 @@ def _until_separator(tokens: np.ndarray) -> list[int]:
     return tokens[: cut[0] if len(cut) else len(tokens)].tolist()
 
 
-def speculation_tree(continuations: list[list[int]], budget: int, min_prob: float) -> Draft:
+def speculation_tree(continuations: list[list[int]], budget: int, min_prob: float) -> tuple[Draft, float]:
     """The `budget` most frequent nodes of the continuations' trie whose share of the continuations is at least
-    min_prob, most frequent first (ties: the earlier listed continuation). A child is never more frequent than its
-    parent and comes later in the trie, so parents rank first and the kept nodes form a tree."""
+    min_prob, most frequent first (ties: the earlier listed continuation), and the tokens it is expected to have
+    accepted were the continuations what follows: the sum of the kept nodes' shares. A child is never more frequent
+    than its parent and comes later in the trie, so parents rank first and the kept nodes form a tree."""
+    if not continuations:
+        return Draft.empty(), 0.0
     merged = trie(continuations)
     tokens, parents, counts = merged.tokens, merged.parents, merged.counts
     ranked = sorted(range(len(tokens)), key=lambda node: (-counts[node], node))[:budget]
     kept = [node for node in ranked if counts[node] >= min_prob * len(continuations)]
     draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-    return draft.subset(torch.tensor(kept, dtype=torch.long))
+    expected = sum(counts[node] for node in kept) / len(continuations)
+    return draft.subset(torch.tensor(kept, dtype=torch.long)), expected

@@ -44,7 +44,7 @@ def frequent_tokens(model: CausalLM, size: int) -> torch.Tensor:
 
 def token_counts(tokenizer, vocab_size: int) -> torch.Tensor | None:
     """[V] how often each id occurs in the counted conversations (cached per tokenizer); None without the data."""
-    return _counts(_tokenizer_key(tokenizer), tokenizer, vocab_size)
+    return _counts(tokenizer_key(tokenizer), tokenizer, vocab_size)
 
 
 @lru_cache(maxsize=8)
@@ -77,7 +77,7 @@ def _counts(key: str, tokenizer, vocab_size: int) -> torch.Tensor | None:
 
 
 @lru_cache(maxsize=8)  # hashing a 262k-entry vocabulary takes a while; the server builds a drafter per request
-def _tokenizer_key(tokenizer) -> str:
+def tokenizer_key(tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     return hashlib.sha256(vocab.encode()).hexdigest()[:16]
 
