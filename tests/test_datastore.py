@@ -5,6 +5,7 @@ keep the output token-identical to plain greedy decoding."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from specdecode.drafters import build_drafter, datastore as datastore_module, su
 from specdecode.drafters.datastore import SEPARATOR, Datastore, datastore
 from specdecode.drafters.ngram_table import suffix_matches
 from specdecode.engine import generate
+from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
 from conftest import bpe_tokenizer, tiny_model
@@ -126,3 +128,9 @@ def test_sampling_from_datastore_drafts_keeps_the_target_distribution(monkeypatc
     counts, accepted, _ = engine_counts(target, drafter, prompt, params, ENGINE_V, JOINT, 600)
     assert chi_square_p_value(counts, exact_joint(logits, params, ENGINE_V, JOINT)) > ALPHA
     assert accepted >= 2  # datastore drafts were accepted, not only rejected
+
+
+def test_a_missing_suffix_array_library_is_one_clear_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pydivsufsort", None)  # its import fails
+    with pytest.raises(SpecDecodeError, match="needs the pydivsufsort package.*corpus=none"):
+        Datastore.build([[1, 2, 3]])

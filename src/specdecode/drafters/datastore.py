@@ -54,8 +54,13 @@ class Datastore:
 
     @classmethod
     def build(cls, documents: list[list[int]]) -> "Datastore":
-        from pydivsufsort import divsufsort
-
+        try:
+            from pydivsufsort import divsufsort
+        except ImportError:
+            raise SpecDecodeError(
+                "the suffix drafter's datastore needs the pydivsufsort package.",
+                "pip install pydivsufsort==0.0.20 (a dependency of specdecode), or pass -o corpus=none.",
+            ) from None
         tokens = np.fromiter((t for doc in documents for t in (*doc, SEPARATOR)), dtype=np.int32)  # [n]
         reversed_tokens = np.ascontiguousarray(tokens[::-1])
         order = divsufsort(reversed_tokens) if len(tokens) else np.zeros(0, dtype=np.int32)
@@ -127,7 +132,12 @@ def _cached(corpus: str, key: str, tokenizer) -> Datastore:
     with cache_lock(f"datastore-{key}"):  # two processes on a fresh machine build it once
         if not (folder / "order.npy").exists():
             documents = _sharegpt_documents(tokenizer) if corpus == SHAREGPT else read_corpus(corpus, tokenizer)
-            _write(folder, Datastore.build(documents))
+            built = Datastore.build(documents)
+            try:
+                _write(folder, built)
+            except OSError as exc:  # a full disk or a read-only cache: use it from memory this time
+                _note_once(f"note: the datastore could not be cached in {folder.parent}: {exc.strerror}")
+                return built
     return Datastore(np.load(folder / "reversed.npy", mmap_mode="r"), np.load(folder / "order.npy", mmap_mode="r"))
 
 
