@@ -103,7 +103,7 @@ class Governor:
         seconds_sum, window_steps = sum(s for s, _, _ in self.recent), len(self.recent)
         rate = sum(t for _, t, _ in self.recent) / max(seconds_sum, 1e-9)
         deepest = max(d for _, _, d in self.recent)
-        accepted = sum(t - 1 for _, t, _ in self.recent) / len(self.recent)  # mean accepted draft tokens a step
+        accepted = sum(t - 1 for _, t, _ in self.recent) / window_steps  # mean accepted draft tokens a step
         self.recent.clear()
         if rate >= self.margin * self.plain_rate and not nothing_accepted:
             # A win halves the next pause instead of forgetting the losses: a few lucky steps of a drafter that

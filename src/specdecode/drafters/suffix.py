@@ -85,8 +85,8 @@ class SuffixDrafter(Drafter):
         candidates = [self._recent(own, suffix)]
         if self.datastore is not None:
             match = self.datastore.longest_match(suffix)
-            budget = self._budget(match.length)
-            candidates.append((match.length, self.datastore.continuations(match, self.max_occurrences, budget)))
+            found = self.datastore.continuations(match, self.max_occurrences, self._budget(match.length))
+            candidates.append((match.length, found))
         scored = [(length, *speculation_tree(found, self._budget(length), self.min_prob)) for length, found in candidates]
         match_len, draft, _ = max(scored, key=lambda candidate: candidate[2])  # a tie: the request's own
         return match_len, draft
