@@ -204,3 +204,13 @@ def test_given_options_keep_the_sizes_of_the_cost_curve_they_do_not_name(tiny_pa
     monkeypatch.setattr(machine, "cost_report", unwanted)
     drafter = tuned_drafter("draft", target, draft_model=draft_model, depth=2, budget=3)
     assert (drafter.tree.depth, drafter.tree.budget, drafter.sized) == (2, 3, ())
+
+
+def test_every_tune_grid_entry_is_a_valid_option_set():
+    """A misspelled option in a drafter's tune grid would fail only when `tune` reaches it, minutes in."""
+    from specdecode.drafters import DRAFTERS
+    from specdecode.drafters.base import check_options
+
+    for name, cls in DRAFTERS.items():
+        for options in cls.tune_grid:
+            check_options(name, dict(options))  # raises SpecDecodeError naming the option

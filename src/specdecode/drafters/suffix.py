@@ -38,7 +38,7 @@ class SuffixDrafter(Drafter):
     sizes = {"max_nodes": "nodes"}
     variants = ({}, {"alpha": 1.0, "max_nodes": 6, "min_prob": 0.3}, {"max_match": 2, "max_occurrences": 1})
     tune_grid = ({"max_nodes": 8}, {"max_nodes": 32, "alpha": 8.0}, {"alpha": 2.0, "min_prob": 0.05},
-                 {"max_nodes": 8, "min_prob": 0.2})
+                 {"max_nodes": 8, "min_prob": 0.2}, {"corpus": "none"})  # the last: where the datastore does not pay
 
     def __init__(
         self,
