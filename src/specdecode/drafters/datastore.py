@@ -94,10 +94,14 @@ class Datastore:
         picked = match.lo + (np.arange(min(count, total)) * total) // min(count, total)  # [k]
         found = []
         for start in self.order[picked].tolist():  # the continuation is reversed[start-1], reversed[start-2], ...
-            following = self.reversed[max(start - length, 0) : start][::-1]
-            cut = np.flatnonzero(following == SEPARATOR)
-            found.append(following[: cut[0] if cut.size else following.size].tolist())
+            found.append(until_separator(self.reversed[max(start - length, 0) : start][::-1]))
         return found
+
+
+def until_separator(tokens: np.ndarray) -> list[int]:
+    """The tokens before the first SEPARATOR (all of them without one): a continuation ends with its document."""
+    cut = np.flatnonzero(tokens == SEPARATOR)
+    return tokens[: cut[0] if len(cut) else len(tokens)].tolist()
 
 
 def datastore(corpus: str, tokenizer) -> Datastore | None:

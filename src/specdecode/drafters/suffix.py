@@ -29,7 +29,7 @@ import torch
 from ..errors import OptionError
 from ..tree import Draft, trie
 from .base import Drafter, register
-from .datastore import SEPARATOR, SHAREGPT, datastore
+from .datastore import SEPARATOR, SHAREGPT, datastore, until_separator
 from .ngram_table import suffix_matches
 
 
@@ -100,7 +100,7 @@ class SuffixDrafter(Drafter):
         for tokens, levels in sources:
             if match_len and len(levels) == match_len:
                 ends = levels[-1][::-1][: self.max_occurrences - len(continuations)]  # most recent first
-                continuations += [_until_separator(tokens[end : end + budget]) for end in ends]
+                continuations += [until_separator(tokens[end : end + budget]) for end in ends]
         return match_len, continuations
 
     def _budget(self, match_len: int) -> int:
@@ -115,11 +115,6 @@ class SuffixDrafter(Drafter):
             self.tokens = np.resize(self.tokens, 2 * end)
         self.tokens[self.length : end] = tokens
         self.length = end
-
-
-def _until_separator(tokens: np.ndarray) -> list[int]:
-    cut = np.flatnonzero(tokens == SEPARATOR)
-    return tokens[: cut[0] if len(cut) else len(tokens)].tolist()
 
 
 def speculation_tree(continuations: list[list[int]], budget: int, min_prob: float) -> tuple[Draft, float]:
