@@ -119,6 +119,7 @@ class EagleDrafter(HeadDrafter):
     head, one head step per level."""
 
     kind = "eagle"
+    sizes = {"depth": "depth", "budget": "nodes"}
     variants = (
         {}, {"depth": 3, "topk": 1}, {"depth": 4, "topk": 3, "budget": 10, "length": "confidence"},
         {"structure": "sequoia", "budget": 6, "depth": 4},

@@ -23,6 +23,7 @@ from .eagle import HeadDrafter
 @register("medusa")
 class MedusaDrafter(HeadDrafter):
     kind = "medusa"
+    sizes = {"budget": "nodes"}
     variants = ({}, {"budget": 3, "accept": "0.9"}, {"budget": 10, "accept": "0.5,0.2,0.1"})
     tune_grid = ({"budget": 4}, {"budget": 8}, {"budget": 16})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -76,10 +77,17 @@ def context_ids(vocab_size: int, length: int = CONTEXT) -> list[int]:
     return [(7919 * i + 13) % vocab_size for i in range(length)]
 
 
-def measure(target, repeats: int = 3) -> dict:
-    """The report `specdecode cost` prints: cpu, kernels, and the curve [{rows, ms, ratio}, ...]."""
+def measure(target, repeats: int = 5) -> dict:
+    """The report `specdecode cost` prints: cpu, kernels, and the curve [{rows, ms, ratio}, ...].
+
+    The first run on a machine measures right after converting and caching gigabytes of weights: pending writes are
+    flushed first, so that writing them back does not compete with the forwards, and each size keeps its fastest of
+    `repeats` rounds. The curve is cached and sizes every draft on this machine: a curve measured in a busy moment
+    comes out steep and makes every draft too small."""
     from .measure import verify_curve
 
+    if hasattr(os, "sync"):
+        os.sync()
     with tqdm(total=len(ROWS) * repeats, desc="forward cost", unit="forward") as bar:
         seconds = verify_curve(target, context_ids(target.vocab_size), 0, repeats, bar, sizes=list(ROWS))
     one = seconds[1]
