@@ -336,3 +336,87 @@ def test_chance_wins_of_a_drafter_that_loses_on_average_do_not_undo_its_rests():
     resetting = [seconds_per_token(ForgetsLossesOnAWin(), seed) for seed in range(5)]
     assert max(halving) < 1.03  # within 3% of plain decoding (1 second a token)
     assert min(resetting) > max(halving) + 0.005  # the reset speculates at a loss more often, every seed
+
+
+class NeverSitsOut(Governor):
+    """The planted bug: a drafter reads every prompt, however long, whatever speculation wins back."""
+
+    def begin(self, prompt_tokens, max_new_tokens):
+        super().begin(prompt_tokens, max_new_tokens)
+        self.sit_out = False
+
+
+def serve(governor: Governor, prompts: list[int], new_tokens: int, spec_seconds: float, spec_tokens: int,
+          catch_up: float) -> tuple[float, Governor]:
+    """Requests answered by a drafter that catches up: reading a token it has not seen costs `catch_up` seconds
+    (a plain step: 1 token in 1 second; a speculative step: spec_tokens in spec_seconds, drafting 2 tokens).
+    Returns the total seconds and the last request's governor."""
+    total = 0.0
+    for i, prompt in enumerate(prompts):
+        governor = governor.for_next_request() if i else governor
+        governor.catch_up = True
+        governor.begin(prompt, new_tokens)
+        behind, made = prompt, 0
+        while made < new_tokens:
+            plan = governor.plan()
+            if plan == 0:
+                seconds, tokens, depth = 1.0, 1, 0
+                behind += 1
+            else:
+                depth = 2 if plan is None else min(plan, 2)
+                tokens = min(spec_tokens, depth + 1)
+                seconds, behind = spec_seconds * (1 + depth) / 3 + behind * catch_up, 0
+            governor.record(seconds, tokens, depth, plan)
+            total, made = total + seconds, made + tokens
+    return total, governor
+
+
+def test_a_long_prompt_is_not_read_where_speculation_cannot_win_the_reading_back():
+    """A draft model reads a 600-token prompt in 30 plain steps' time and then speculates at 1.33x: over a 50-token
+    answer it wins back 12.5 steps, less than the reading cost. After one such request, the governor leaves the
+    drafter out of the long ones, and keeps it in the short ones, where reading costs little."""
+    long_prompts = [600] * 6
+    governed, learned = serve(Governor(), long_prompts, 50, spec_seconds=1.5, spec_tokens=2, catch_up=0.05)
+    planted, _ = serve(NeverSitsOut(), long_prompts, 50, spec_seconds=1.5, spec_tokens=2, catch_up=0.05)
+    plain = 300.0  # 6 requests x 50 one-token steps
+    assert governed < planted - 5 * 15  # the five later requests were spared the reading (17.5 steps lost each)
+    assert governed < plain + 35  # only the first request paid to learn it
+    assert learned.catch_up_seconds == pytest.approx(0.05, rel=0.1)
+    assert learned.speedup == pytest.approx(4 / 3, rel=0.15)
+    short, _ = serve(replace(learned.for_next_request()), [20] * 3, 100, spec_seconds=1.5, spec_tokens=2,
+                     catch_up=0.05)
+    assert short < 3 * 100 * 0.85  # short prompts: read, and speculation pays
+
+
+def test_a_drafter_that_wins_enough_still_reads_long_prompts():
+    """The same reading cost against a drafter that doubles the rate: 50 steps won over 100 tokens, 30 spent."""
+    governed, learned = serve(Governor(), [600] * 4, 100, spec_seconds=1.0, spec_tokens=2, catch_up=0.05)
+    assert not learned.sit_out
+    assert governed < 4 * (30 + 50 + 6)  # each request: the reading, 50 two-token steps, a few plain ones
+
+
+def test_the_prompt_catch_up_of_a_later_request_is_not_judged_as_speculation():
+    """A drafter carried into the next request reads the new prompt in its first speculative step: that cost is the
+    reading's (learned as such), not a loss of speculating."""
+    _, governor = serve(Governor(), [20], 60, spec_seconds=1.0, spec_tokens=3, catch_up=0.05)
+    following = governor.for_next_request()
+    following.catch_up = True
+    following.begin(400, 60)  # 20 steps' reading; a 60-token answer at 3 tokens a step wins back 40
+    assert not following.sit_out and following.plan() is None
+    following.record(1.0 + 400 * 0.05, 3, 2, None)
+    assert list(following.recent) == [] and following.catch_up_seconds == pytest.approx(0.05, rel=0.2)
+
+
+def test_the_engine_tells_the_governor_the_prompt():
+    class Begins(Governor):
+        seen: tuple = ()
+
+        def begin(self, prompt_tokens, max_new_tokens):
+            self.seen = (prompt_tokens, max_new_tokens)
+            super().begin(prompt_tokens, max_new_tokens)
+
+    target, draft_model = tiny_pair("qwen2:native", seed=5)
+    governor = Begins()
+    generate(target, build_drafter("draft", target, draft_model=draft_model), [1, 2, 3], 4, GREEDY,
+             governor=governor)
+    assert governor.seen == (3, 4)

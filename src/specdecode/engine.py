@@ -124,6 +124,7 @@ def decode_steps(
 
     if governor is not None:
         governor.catch_up = drafter.catches_up
+        governor.begin(len(prompt_ids), max_new_tokens)
     cache = target.new_cache(capacity)
     drafter.use_target_cache(cache)
     drafter.start(list(prompt_ids), capacity)

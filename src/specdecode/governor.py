@@ -16,6 +16,12 @@ tokens decoded while it rested (a draft model's prefill of them), a cost of the 
 drafters again, longer each time. A drafter with nothing to catch up on (retrieval, layer skipping) is judged from
 that step on, so a probe that loses costs one step less. No anchor system does this (llama.cpp has only
 --draft-min); the output never depends on it (every step is verified the same way).
+
+A request's first speculative step is a catch-up too (a draft model's prefill of the prompt): on a CPU it can cost
+a third of the target's own prefill, more than speculation wins back over a short answer to a long prompt. The
+governor learns what a caught-up token costs and what speculation wins against plain steps, and at the start of a
+request (`begin`) leaves the drafter out of it where reading the prompt would cost more than the request's expected
+gain; a catch-up under `explore` of the request's plain time is always allowed, so short prompts keep probing.
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ class Governor:
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
     probe_cost: float = math.inf  # a step of the last window of one-token drafts that lost, in plain steps
     cheap_probe: float = 1.25  # ...at most this: probing again costs a few tenths of a step (for_next_request)
+    behind: int = 0  # tokens a catching-up drafter has not read yet (the prompt, then the tokens of plain steps)
+    catch_up_seconds: float | None = None  # what catching up on one token costs (EWMA of measured catch-ups)
+    step_seconds: float | None = None  # a judged speculative step's mean seconds (EWMA over windows)
+    speedup: float | None = None  # speculation's rate over the plain rate in judged windows (EWMA)
+    explore: float = 0.05  # a catch-up under this share of the request's plain time is always allowed
+    sit_out: bool = False  # this request runs plain: reading its prompt would cost more than speculation wins
 
     def __post_init__(self):
         self.next_rest = self.next_rest or self.first_rest
@@ -64,11 +76,24 @@ class Governor:
         losing_streak = self.next_rest > 2 * self.first_rest  # lost at least twice in a row, the probe included
         keep = losing_streak and self.probe_cost > self.cheap_probe
         rest = self.rest if keep else min(self.rest, self.first_rest)
-        return replace(self, recent=deque(), since_plain=0, wins=0, rest=rest)
+        return replace(self, recent=deque(), since_plain=0, wins=0, rest=rest, sit_out=False)
+
+    def begin(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A request starts. A drafter that catches up has yet to read the prompt: its first speculative step does
+        (not judged as speculation: `after_rest`), unless that would cost more than the request can win back."""
+        if not self.catch_up:
+            return
+        self.behind, self.after_rest = prompt_tokens, True
+        if None in (self.catch_up_seconds, self.speedup, self.plain_rate):
+            return
+        plain_seconds = max_new_tokens / self.plain_rate
+        gain = plain_seconds * max(0.0, 1.0 - 1.0 / self.speedup)
+        cost = prompt_tokens * self.catch_up_seconds
+        self.sit_out = cost > max(gain, self.explore * plain_seconds)
 
     def plan(self) -> int | None:
         """This step's draft depth cap: 0 = a plain step (no drafting), None = no cap."""
-        if self.rest > 0 or self.since_plain >= self.refresh:
+        if self.sit_out or self.rest > 0 or self.since_plain >= self.refresh:
             return 0
         return self.cap
 
@@ -77,7 +102,8 @@ class Governor:
         `depth` deep."""
         if planned == 0:
             # after a rest (or the first plain-rate measurement), not a refresh step, for a drafter that catches up
-            self.after_rest = self.rest > 0 and self.catch_up
+            self.after_rest = self.after_rest or (self.rest > 0 and self.catch_up)
+            self.behind += tokens if self.catch_up else 0
             self.rest = max(self.rest - 1, 0)
             self.since_plain = 0
             rate = tokens / max(seconds, 1e-9)
@@ -86,8 +112,10 @@ class Governor:
         self.since_plain += 1
         if planned is None:
             self.full_depth = max(self.full_depth, depth)
+        behind, self.behind = self.behind, 0
         if self.after_rest:  # the drafter caught up on what it skipped (a draft model's prefill of those tokens):
             self.after_rest = False  # a cost of having rested, not of speculating from here on
+            self._learn_catch_up(seconds, behind)
             return
         self.recent.append((seconds, tokens, depth))
         if self.plain_rate is None:
@@ -105,6 +133,8 @@ class Governor:
         deepest = max(d for _, _, d in self.recent)
         accepted = sum(t - 1 for _, t, _ in self.recent) / window_steps  # mean accepted draft tokens a step
         self.recent.clear()
+        self.speedup = _ewma(self.speedup, rate / self.plain_rate)
+        self.step_seconds = _ewma(self.step_seconds, seconds_sum / window_steps)
         if rate >= self.margin * self.plain_rate and not nothing_accepted:
             # A win halves the next pause instead of forgetting the losses: a few lucky steps of a drafter that
             # loses on average (a probe of `quick` steps wins by chance) then buy one short spell, not a return to
@@ -123,3 +153,15 @@ class Governor:
         self.probe_cost = seconds_sum / window_steps * self.plain_rate  # plain_rate: 1 / a plain step's seconds
         self.probing = True
         self.next_rest = min(2 * self.next_rest, self.max_rest)
+
+    def _learn_catch_up(self, seconds: float, behind: int, fewest: int = 16) -> None:
+        """A step that caught up on `behind` tokens took `seconds`: beyond a speculative step's usual cost (a plain
+        step's before any was judged), that is the catch-up's. Short catch-ups say little about the per-token cost."""
+        if behind < fewest or self.plain_rate is None:
+            return
+        usual = self.step_seconds if self.step_seconds is not None else 1.0 / self.plain_rate
+        self.catch_up_seconds = _ewma(self.catch_up_seconds, max(seconds - usual, 0.0) / behind)
+
+
+def _ewma(old: float | None, new: float, weight: float = 0.5) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
