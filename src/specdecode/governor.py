@@ -18,7 +18,7 @@ that step on, so a probe that loses costs one step less. No anchor system does t
 --draft-min); the output never depends on it (every step is verified the same way).
 
 A request's first speculative step is a catch-up too (a draft model's prefill of the prompt): on a CPU it can cost
-a third of the target's own prefill, more than speculation wins back over a short answer to a long prompt. The
+more than speculation wins back over a short answer to a long prompt. The
 governor learns what a caught-up token costs and what speculation wins against plain steps, and at the start of a
 request (`begin`) leaves the drafter out of it where reading the prompt would cost more than the request's expected
 gain; a catch-up under `explore` of the request's plain time is always allowed, so short prompts keep probing.
