@@ -341,8 +341,8 @@ def test_chance_wins_of_a_drafter_that_loses_on_average_do_not_undo_its_rests():
 class NeverSitsOut(Governor):
     """The planted bug: a drafter reads every prompt, however long, whatever speculation wins back."""
 
-    def begin(self, prompt_tokens, max_new_tokens):
-        super().begin(prompt_tokens, max_new_tokens)
+    def begin(self, prompt_tokens, max_new_tokens, catch_up):
+        super().begin(prompt_tokens, max_new_tokens, catch_up)
         self.sit_out = False
 
 
@@ -354,8 +354,7 @@ def serve(governor: Governor, prompts: list[int], new_tokens: int, spec_seconds:
     total = 0.0
     for i, prompt in enumerate(prompts):
         governor = governor.for_next_request() if i else governor
-        governor.catch_up = True
-        governor.begin(prompt, new_tokens)
+        governor.begin(prompt, new_tokens, catch_up=True)
         behind, made = prompt, 0
         while made < new_tokens:
             plan = governor.plan()
@@ -400,8 +399,7 @@ def test_the_prompt_catch_up_of_a_later_request_is_not_judged_as_speculation():
     reading's (learned as such), not a loss of speculating."""
     _, governor = serve(Governor(), [20], 60, spec_seconds=1.0, spec_tokens=3, catch_up=0.05)
     following = governor.for_next_request()
-    following.catch_up = True
-    following.begin(400, 60)  # 20 steps' reading; a 60-token answer at 3 tokens a step wins back 40
+    following.begin(400, 60, catch_up=True)  # 20 steps' reading; a 60-token answer at 3 tokens a step wins back 40
     assert not following.sit_out and following.plan() is None
     following.record(1.0 + 400 * 0.05, 3, 2, None)
     assert list(following.recent) == [] and following.catch_up_seconds == pytest.approx(0.05, rel=0.2)
@@ -411,9 +409,9 @@ def test_the_engine_tells_the_governor_the_prompt():
     class Begins(Governor):
         seen: tuple = ()
 
-        def begin(self, prompt_tokens, max_new_tokens):
+        def begin(self, prompt_tokens, max_new_tokens, catch_up):
             self.seen = (prompt_tokens, max_new_tokens)
-            super().begin(prompt_tokens, max_new_tokens)
+            super().begin(prompt_tokens, max_new_tokens, catch_up)
 
     target, draft_model = tiny_pair("qwen2:native", seed=5)
     governor = Begins()

@@ -123,8 +123,7 @@ def decode_steps(
     start = time.perf_counter()
 
     if governor is not None:
-        governor.catch_up = drafter.catches_up
-        governor.begin(len(prompt_ids), max_new_tokens)
+        governor.begin(len(prompt_ids), max_new_tokens, drafter.catches_up)
     cache = target.new_cache(capacity)
     drafter.use_target_cache(cache)
     drafter.start(list(prompt_ids), capacity)

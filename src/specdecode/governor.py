@@ -18,10 +18,10 @@ that step on, so a probe that loses costs one step less. No anchor system does t
 --draft-min); the output never depends on it (every step is verified the same way).
 
 A request's first speculative step is a catch-up too (a draft model's prefill of the prompt): on a CPU it can cost
-more than speculation wins back over a short answer to a long prompt. The
-governor learns what a caught-up token costs and what speculation wins against plain steps, and at the start of a
-request (`begin`) leaves the drafter out of it where reading the prompt would cost more than the request's expected
-gain; a catch-up under `explore` of the request's plain time is always allowed, so short prompts keep probing.
+more than speculation wins back over a short answer to a long prompt. The governor learns what a caught-up token
+costs and what speculation wins against plain steps, and at the start of a request (`begin`) leaves the drafter out
+of it where reading the prompt would cost more than the request's expected gain; a catch-up under `explore` of the
+request's plain time is always allowed, so short prompts keep probing.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Governor:
     wins: int = 0  # winning windows in a row under the current cap
     grow_after: int = 2  # winning windows under a cap before trying twice as deep
     after_rest: bool = False  # the next speculative step follows a rest: not judged (see record)
-    catch_up: bool = True  # the drafter catches up after a rest (Drafter.catches_up; the engine sets it)
+    catch_up: bool = True  # the drafter catches up after a rest (Drafter.catches_up; set by `begin`)
     probing: bool = False  # the next judged window follows a rest: `quick` steps long
     recent: deque = field(default_factory=deque)  # (seconds, tokens, depth) of recent speculative steps
     probe_cost: float = math.inf  # a step of the last window of one-token drafts that lost, in plain steps
@@ -78,10 +78,12 @@ class Governor:
         rest = self.rest if keep else min(self.rest, self.first_rest)
         return replace(self, recent=deque(), since_plain=0, wins=0, rest=rest, sit_out=False)
 
-    def begin(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """A request starts. A drafter that catches up has yet to read the prompt: its first speculative step does
-        (not judged as speculation: `after_rest`), unless that would cost more than the request can win back."""
-        if not self.catch_up:
+    def begin(self, prompt_tokens: int, max_new_tokens: int, catch_up: bool) -> None:
+        """A request starts, with a drafter that catches up or not (Drafter.catches_up). One that does has yet to
+        read the prompt: its first speculative step does (not judged as speculation: `after_rest`), unless that
+        would cost more than the request can win back."""
+        self.catch_up = catch_up
+        if not catch_up:
             return
         self.behind, self.after_rest = prompt_tokens, True
         if None in (self.catch_up_seconds, self.speedup, self.plain_rate):
@@ -107,7 +109,7 @@ class Governor:
             self.rest = max(self.rest - 1, 0)
             self.since_plain = 0
             rate = tokens / max(seconds, 1e-9)
-            self.plain_rate = rate if self.plain_rate is None else 0.7 * self.plain_rate + 0.3 * rate
+            self.plain_rate = _ewma(self.plain_rate, rate, weight=0.3)
             return
         self.since_plain += 1
         if planned is None:
