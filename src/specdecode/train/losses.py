@@ -64,33 +64,38 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
     ids, last, fused, valid = batch["ids"], batch["last"].float(), batch["fused"], batch["valid"]
     b, t = ids.shape[0], ids.shape[1] - 1  # rows: t = 0..T-2, one per (feature t, token t+1)
     draft_head = frozen["draft_lm_head"]  # [Vd, d]
+    pad = steps  # tokens, targets and masks padded so every step reads `t` rows
     with torch.no_grad():
         target_logits = last @ draft_head.T  # [B, T, Vd]: the target's distribution over the draft vocabulary
-        target_top = F.pad(target_logits.argmax(-1), (0, steps))  # [B, T+steps] the target's greedy token
+        target_top = target_logits.argmax(-1)  # [B, T] the target's greedy token
+        target_probs = F.pad(torch.softmax(target_logits.float(), -1), (0, 0, 0, pad))  # [B, T+steps, Vd] once
     in_vocab = head.t2d[ids]  # [B, T]: the next token is drafteable
-    pad = steps  # tokens, targets and masks padded so every step reads `t` rows
     ids_p = F.pad(ids, (0, pad))
-    target_p = F.pad(target_logits, (0, 0, 0, pad))
     prompt = batch["real"] & ~valid  # [B, T] the prompt's tokens
     weight = (valid.float() + prompt_weight * prompt.float()) * in_vocab  # [B, T] of the token a row predicts
     weight_p = F.pad(weight, (0, pad))
     ok = F.pad(valid & in_vocab, (0, pad))
     hidden = head.feature_input(fused[:, :-1])  # [B, t, d]
     kv = SequenceKV()
-    total, metrics = 0.0, {}
+    outputs = []  # each step's head output [B, t, d]
     for step in range(steps):
         embeds = F.embedding(ids_p[:, 1 + step : 1 + step + t], frozen["embedding"])  # token t+1+j
         positions = torch.arange(1 + step, 1 + step + t, device=ids.device).expand(b, t)
         hidden = head(embeds, hidden, positions, kv, step_mask(t, step).to(ids.device)[None])  # [B, t, d]
-        logits = head.draft_logits(hidden)  # [B, t, Vd]
-        wanted = target_p[:, 1 + step : 1 + step + t]  # the target's distribution at position t+1+j
-        rows = ok[:, 2 + step : 2 + step + t]  # the token predicted (t+2+j) is in the answer and drafteable
-        loss = masked_mean(soft_cross_entropy(wanted, logits), weight_p[:, 2 + step : 2 + step + t])
-        total = total + (0.8**step) * loss
-        top = target_top[:, 1 + step : 1 + step + t]
-        metrics[f"acc{step}"] = float(masked_mean((logits.argmax(-1) == top).float(), rows))
-    metrics["acc"] = metrics["acc0"]
-    return total, metrics
+        outputs.append(hidden)
+    # One LM-head product over every step's rows: the draft vocabulary's weight is read, cast and given its
+    # gradient once, not once per step (the logits feed only the loss, never the next step)
+    all_logits = head.draft_logits(torch.cat(outputs, dim=1))  # [B, steps * t, Vd]
+    wanted = torch.cat([target_probs[:, 1 + step : 1 + step + t] for step in range(steps)], dim=1)  # position t+1+j
+    cross_entropy = -(wanted * torch.log_softmax(all_logits.float(), -1)).sum(-1)  # [B, steps * t]
+    total = 0.0
+    for step in range(steps):
+        rows = cross_entropy[:, step * t : (step + 1) * t]
+        total = total + (0.8**step) * masked_mean(rows, weight_p[:, 2 + step : 2 + step + t])
+    # accuracy of the first step (what the progress bar shows): its argmax over the draft vocabulary
+    rows = ok[:, 2 : 2 + t]  # the token predicted (t+2) is in the answer and drafteable
+    accuracy = masked_mean((all_logits[:, :t].argmax(-1) == target_top[:, 1:]).float(), rows)
+    return total, {"acc": float(accuracy)}
 
 
 def medusa_loss(head, batch: dict, frozen: dict, train: bool = True) -> tuple[torch.Tensor, dict]:
