@@ -90,8 +90,8 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
     cross_entropy = -(wanted * torch.log_softmax(all_logits.float(), -1)).sum(-1)  # [B, steps * t]
     total = 0.0
     for step in range(steps):
-        rows = cross_entropy[:, step * t : (step + 1) * t]
-        total = total + (0.8**step) * masked_mean(rows, weight_p[:, 2 + step : 2 + step + t])
+        step_rows = cross_entropy[:, step * t : (step + 1) * t]  # [B, t]
+        total = total + (0.8**step) * masked_mean(step_rows, weight_p[:, 2 + step : 2 + step + t])
     # accuracy of the first step (what the progress bar shows): its argmax over the draft vocabulary
     rows = ok[:, 2 : 2 + t]  # the token predicted (t+2) is in the answer and drafteable
     accuracy = masked_mean((all_logits[:, :t].argmax(-1) == target_top[:, 1:]).float(), rows)
