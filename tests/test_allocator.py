@@ -13,8 +13,7 @@ if sys.argv[1] == "keep":
 tensor = torch.empty(48 << 20, dtype=torch.uint8)  # above glibc's largest dynamic mmap threshold (32 MiB)
 address = tensor.data_ptr()
 for line in open("/proc/self/maps"):
-    span, *rest = line.split()
-    low, high = (int(x, 16) for x in span.split("-"))
+    low, high = (int(x, 16) for x in line.split()[0].split("-"))
     if low <= address < high:
         print("heap" if line.rstrip().endswith("[heap]") else "mapping")
 """

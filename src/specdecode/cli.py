@@ -10,8 +10,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from .bench.questions import GROUPS
 from .allocator import keep_freed_memory
+from .bench.questions import GROUPS
 from .errors import SpecDecodeError
 
 

@@ -68,9 +68,9 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
     with torch.no_grad():
         target_logits = last @ draft_head.T  # [B, T, Vd]: the target's distribution over the draft vocabulary
         target_top = target_logits.argmax(-1)  # [B, T] the target's greedy token
-        target_probs = F.pad(torch.softmax(target_logits.float(), -1), (0, 0, 0, pad))  # [B, T+steps, Vd] once
     in_vocab = head.t2d[ids]  # [B, T]: the next token is drafteable
     ids_p = F.pad(ids, (0, pad))
+    target_p = F.pad(target_logits, (0, 0, 0, pad))
     prompt = batch["real"] & ~valid  # [B, T] the prompt's tokens
     weight = (valid.float() + prompt_weight * prompt.float()) * in_vocab  # [B, T] of the token a row predicts
     weight_p = F.pad(weight, (0, pad))
@@ -86,8 +86,8 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, train: bool = True,
     # One LM-head product over every step's rows: the draft vocabulary's weight is read, cast and given its
     # gradient once, not once per step (the logits feed only the loss, never the next step)
     all_logits = head.draft_logits(torch.cat(outputs, dim=1))  # [B, steps * t, Vd]
-    wanted = torch.cat([target_probs[:, 1 + step : 1 + step + t] for step in range(steps)], dim=1)  # position t+1+j
-    cross_entropy = -(wanted * torch.log_softmax(all_logits.float(), -1)).sum(-1)  # [B, steps * t]
+    wanted = torch.cat([target_p[:, 1 + step : 1 + step + t] for step in range(steps)], dim=1)  # position t+1+j
+    cross_entropy = soft_cross_entropy(wanted, all_logits)  # [B, steps * t]
     total = 0.0
     for step in range(steps):
         step_rows = cross_entropy[:, step * t : (step + 1) * t]  # [B, t]
