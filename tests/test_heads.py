@@ -87,6 +87,21 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_pa
     assert torch.equal(trained.state_dict()[next(iter(trained.state_dict()))], resumed.head.state_dict()[next(iter(trained.state_dict()))])
 
 
+def test_a_narrower_head_trains_saves_and_exports_with_its_own_width(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    store = FeatureStore(tmp_path / "features")
+    store.extract(target, greedy_sequences(target, 4), [0, 1, 1], True, {"test": "narrow"})
+    sequences = store.load()
+    budget = Budget(epochs=1, draft_vocab=32, ttt_steps=2, lr=3e-3, warmup=1, batch=2, intermediate_size=24)
+    head = initial_head("eagle3", target, sequences, budget)
+    assert head.layer.mlp.up_proj.weight.shape[0] == 24 != new_head("eagle3", target).config.intermediate_size
+    TrainingRun("eagle3", head, target, sequences, tmp_path, budget, "cpu", False).run(PROMPTS[:1])
+    trained = load_head(tmp_path / "cache" / "heads" / target.name / "eagle3")
+    assert trained.config.intermediate_size == 24
+    config = json.loads((export_speculators(trained, tmp_path / "out") / "config.json").read_text())
+    assert config["transformer_layer_config"]["intermediate_size"] == 24
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))

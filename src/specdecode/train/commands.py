@@ -22,6 +22,9 @@ def add_parsers(sub) -> None:
     train.add_argument("--exit-layer", type=int,
                        help="kangaroo, eesd: the target layer whose input the head reads (default: 1/6 of the depth)")
     train.add_argument("--ttt-steps", type=int, help="eagle3: training-time-test steps")
+    train.add_argument("--intermediate-size", type=int,
+                       help="eagle, eagle3, eesd: the head layer's MLP width (default: the target's; narrower trains "
+                       "faster per token)")
     train.add_argument("--answer-tokens", type=int, help="answer length (regenerated, or the dataset's cut there)")
     train.add_argument("--regenerate", action="store_true",
                        help="train on answers the target regenerates (batched; slower), not on ShareGPT's")
@@ -60,7 +63,7 @@ def cmd_train(args) -> int:
     budget = scaled_budget(
         target, max_tokens=args.max_tokens, epochs=args.epochs, hours=args.hours, draft_vocab=args.draft_vocab,
         exit_layer=args.exit_layer,
-        ttt_steps=args.ttt_steps, answer_tokens=args.answer_tokens, lr=args.lr,
+        ttt_steps=args.ttt_steps, intermediate_size=args.intermediate_size, answer_tokens=args.answer_tokens, lr=args.lr,
         regenerate=True if args.regenerate else None,
     )
     out = args.out or cache_root() / "training" / cache_dir(target.name, args.kind).relative_to(cache_root() / "heads")

@@ -54,6 +54,9 @@ class Budget:
     draft_vocab: int = 8192  # eagle3, kangaroo, eesd
     exit_layer: int = 0  # kangaroo, eesd: the target layer whose input the head reads (0: heads.target's default)
     ttt_steps: int = 3  # eagle3: training-time-test steps
+    # eagle, eagle3, eesd: the head layer's MLP width (0: the target's). A narrower MLP trains faster per token on a
+    # CPU, where a large target's head is slow to train (its LM head and MLP dominate a step)
+    intermediate_size: int = 0
     prompt_weight: float = 1.0  # eagle3: loss weight of the prompt's positions (the answer's weigh 1)
     medusa_heads: int = 3
     lr: float = 1e-3
@@ -138,6 +141,8 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab: int) -> torch.Tens
 
 def initial_head(kind: str, target, sequences: list[dict], budget: Budget):
     overrides = {"num_heads": budget.medusa_heads, "ttt_steps": budget.ttt_steps}
+    if budget.intermediate_size:
+        overrides["intermediate_size"] = budget.intermediate_size
     if kind in DRAFT_VOCAB_KINDS:
         overrides["draft_vocab_size"] = min(budget.draft_vocab, target.vocab_size)
     if kind in EXIT_KINDS:
