@@ -102,6 +102,29 @@ def test_a_narrower_head_trains_saves_and_exports_with_its_own_width(target, tmp
     assert config["transformer_layer_config"]["intermediate_size"] == 24
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_a_head_given_to_a_drafter_again_infers_with_its_weights_as_they_are_now(quant):
+    # torch's fused AdamW changes weights in place without bumping their version, so the inference copy's key cannot
+    # see the step: handing the head over again (quantize_head, as every drafter does) must remake the copy
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(Linear(64, 16))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, fused=True)
+    x = torch.randn(3, 64)
+    quantize_head(module, quant)
+    with torch.no_grad():
+        before = module(x)
+    module(x).square().sum().backward()
+    optimizer.step()
+    quantize_head(module, quant)
+    fresh = torch.nn.Sequential(Linear(64, 16))
+    fresh.load_state_dict(module.state_dict())
+    quantize_head(fresh, quant)
+    with torch.no_grad():
+        after, expected = module(x), fresh(x)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))

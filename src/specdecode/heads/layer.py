@@ -38,8 +38,11 @@ class Linear(nn.Linear):
     quant: str | None = None  # the inference weights' format; None: the weight's own dtype
 
     def quantize(self, quant: str | None) -> None:
-        """Infer with `quant` weights ("int8", "int4") from the next call on; None: the weight's dtype."""
+        """Infer with `quant` weights ("int8", "int4") from the next call on; None: the weight's dtype. The copy is
+        remade from the weight as it is now: an optimizer may have changed it in place without bumping its version
+        (torch's fused AdamW does not), which the key below cannot see."""
         self.quant = quant
+        self._inference = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
