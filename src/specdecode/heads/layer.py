@@ -32,20 +32,20 @@ class Linear(nn.Linear):
     the weight or bias changes (storage, version, dtype or device): by default a dense [in, out] copy (torch's CPU
     F.linear re-packs the [out, in] weight on every call, which at the one to a few rows of a draft step costs more
     than the product itself); after `quantize("int8")` on a CPU, the weight in specdecode's int8 format on its
-    kernels (a draft step reads a quarter of the float32 bytes). Training runs nn.Linear unchanged."""
+    kernels (a draft step reads a quarter of the float32 bytes). Training runs nn.Linear unchanged, and drops the
+    copy: its optimizer may change the weight in place without bumping its version (torch's fused AdamW does not),
+    which the copy's key cannot see."""
 
     _inference: tuple | None = None  # (weight key, quant, [in, out] dense copy or native layer)
     quant: str | None = None  # the inference weights' format; None: the weight's own dtype
 
     def quantize(self, quant: str | None) -> None:
-        """Infer with `quant` weights ("int8", "int4") from the next call on; None: the weight's dtype. The copy is
-        remade from the weight as it is now: an optimizer may have changed it in place without bumping its version
-        (torch's fused AdamW does not), which the key below cannot see."""
+        """Infer with `quant` weights ("int8", "int4") from the next call on; None: the weight's dtype."""
         self.quant = quant
-        self._inference = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
+            self._inference = None  # the step that follows may update the weight unseen by the key
             return super().forward(x)
         w = self.weight
         quant = self.quant if w.device.type == "cpu" and self.in_features % GROUP == 0 else None
