@@ -361,3 +361,31 @@ def test_a_head_handed_over_as_a_module_drafts_from_int8_weights_for_a_quantized
     assert linears and {m.quant for m in linears} == {"int8"}
     build_drafter("eagle3", target, draft_model=head)
     assert {m.quant for m in linears} == {None}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_eagle3_head_starts_from_the_targets_last_layer_on_both_backends(family):
+    from specdecode.heads.target import last_layer
+
+    hf = tiny_model(family, seed=3)
+    layers = [last_layer(t) for t in (hf, native_twin(hf))]
+    assert layers[0].keys() == layers[1].keys()
+    for name, weight in layers[0].items():  # the native backend's fused q/k/v and gate/up split back
+        assert torch.equal(weight, layers[1][name]), name
+    d = hf.model.config.hidden_size
+    sequences = [{"ids": torch.arange(40) % 64, "prompt_len": 4}]
+    head = initial_head("eagle3", hf, sequences, Budget(draft_vocab=32))
+    attn, source = head.layer.self_attn, hf.model.model.layers[-1]
+    for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding, hidden]: the hidden half is the target's
+        assert torch.equal(getattr(attn, name).weight[:, d:], getattr(source.self_attn, name).weight)
+        assert not torch.equal(getattr(attn, name).weight[:, :d], getattr(source.self_attn, name).weight)
+    assert torch.equal(attn.o_proj.weight, source.self_attn.o_proj.weight)
+    assert torch.equal(head.layer.mlp.down_proj.weight, source.mlp.down_proj.weight)
+    assert torch.equal(head.hidden_norm.weight, source.input_layernorm.weight)
+    cold = initial_head("eagle3", hf, sequences, Budget(draft_vocab=32, warm_start=False))
+    assert not torch.equal(cold.layer.self_attn.o_proj.weight, source.self_attn.o_proj.weight)
+    narrow = initial_head("eagle3", hf, sequences, Budget(draft_vocab=32, intermediate_size=24))
+    assert narrow.layer.mlp.up_proj.weight.shape[0] == 24  # a narrower MLP keeps its own start
+    assert torch.equal(narrow.layer.self_attn.o_proj.weight, source.self_attn.o_proj.weight)
+    gemma = tiny_model("gemma3", seed=3)
+    assert last_layer(gemma) is None and last_layer(native_twin(gemma)) is None  # not a Llama block: random start

@@ -47,6 +47,24 @@ class Eagle3Head(nn.Module):
     def target_ids(self) -> torch.Tensor:  # [Vd] the target token of each draft index
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    @torch.no_grad()
+    def start_from(self, layer: dict[str, torch.Tensor]) -> None:
+        """Start the decoder layer from a target layer's weights (heads.target.last_layer): the hidden half of q,
+        k and v takes the target's projections and hidden_norm its input norm (attention reads [embedding, hidden]);
+        o, the biases, the post-attention norm and the MLP (where as wide) are copied; fc and the embedding half stay
+        random. A one-layer head trained on little data generalises better from a trained block than from noise
+        (the EAGLE-3 training report)."""
+        d = self.config.hidden_size
+        self.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+        own = self.layer.state_dict()
+        for name, weight in layer.items():
+            if name not in own or (name.startswith("mlp.") and own[name].shape != weight.shape):
+                continue  # the input norm (above); a narrower MLP (--intermediate-size) keeps its random start
+            if name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+                own[name][:, d:] = weight
+            else:
+                own[name].copy_(weight)
+
     def set_vocabulary(self, target_ids: torch.Tensor) -> None:
         """Use these [Vd] target tokens (ascending) as the draft vocabulary."""
         self.d2t.copy_(target_ids - torch.arange(target_ids.shape[0]))

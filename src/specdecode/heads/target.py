@@ -89,6 +89,35 @@ def frozen_weights(target: CausalLM) -> dict[str, torch.Tensor]:
     return {"embedding": target.embedding.float(), "norm": target.norm.float(), "lm_head": target.lm_head.weight()}
 
 
+LLAMA_LAYERS = ("llama", "qwen2", "mistral")  # transformers model types whose decoder layer is a Llama block
+
+
+@torch.no_grad()
+def last_layer(target: CausalLM) -> dict[str, torch.Tensor] | None:
+    """float32 copies of the target's last decoder layer, named as a head's DecoderLayer names them
+    (self_attn.{q,k,v,o}_proj.weight, q/k/v biases if any, mlp.{gate,up,down}_proj.weight,
+    post_attention_layernorm.weight) plus its input_layernorm.weight; None where that layer is not a Llama block
+    (Gemma's extra norms, 1 + w norm weights and GELU)."""
+    if isinstance(target, HFModel):
+        if target.model.config.get_text_config(decoder=True).model_type not in LLAMA_LAYERS:
+            return None
+        return {k: v.float().clone() for k, v in target.model.get_decoder().layers[-1].state_dict().items()}
+    block = target.blocks[-1]
+    if getattr(target, "act", None) != "silu" or block.post_attn_norm is not None or block.q_norm is not None:
+        return None
+    sizes = [target.n_heads * target.head_dim] + [target.n_kv_heads * target.head_dim] * 2
+    layer = {"input_layernorm.weight": block.attn_norm.float(), "post_attention_layernorm.weight": block.mlp_norm.float(),
+             "self_attn.o_proj.weight": block.out.weight(), "mlp.down_proj.weight": block.down.weight()}
+    for name, weight in zip("qkv", block.qkv.weight().split(sizes)):
+        layer[f"self_attn.{name}_proj.weight"] = weight
+    if block.qkv.bias is not None:
+        for name, bias in zip("qkv", block.qkv.bias.float().split(sizes)):
+            layer[f"self_attn.{name}_proj.bias"] = bias
+    gate, up = block.gate_up.weight().chunk(2)
+    layer.update({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
+    return layer
+
+
 def head_config(kind: str, target: CausalLM, **overrides) -> HeadConfig:
     """A head config with the target's attention shapes (one decoder layer like the target's own)."""
     if isinstance(target, HFModel):

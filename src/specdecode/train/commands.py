@@ -25,6 +25,8 @@ def add_parsers(sub) -> None:
     train.add_argument("--intermediate-size", type=int,
                        help="eagle, eagle3, eesd: the head layer's MLP width (default: the target's; narrower trains "
                        "faster per token)")
+    train.add_argument("--random-init", action="store_true",
+                       help="eagle3: start the head's layer from random weights, not from the target's last layer")
     train.add_argument("--answer-tokens", type=int, help="answer length (regenerated, or the dataset's cut there)")
     train.add_argument("--regenerate", action="store_true",
                        help="train on answers the target regenerates (batched; slower), not on ShareGPT's")
@@ -64,7 +66,7 @@ def cmd_train(args) -> int:
         target, max_tokens=args.max_tokens, epochs=args.epochs, hours=args.hours, draft_vocab=args.draft_vocab,
         exit_layer=args.exit_layer,
         ttt_steps=args.ttt_steps, intermediate_size=args.intermediate_size, answer_tokens=args.answer_tokens, lr=args.lr,
-        regenerate=True if args.regenerate else None,
+        regenerate=True if args.regenerate else None, warm_start=False if args.random_init else None,
     )
     out = args.out or cache_root() / "training" / cache_dir(target.name, args.kind).relative_to(cache_root() / "heads")
     report = train(args.kind, target, out, budget, args.device, bf16=not args.no_bf16)

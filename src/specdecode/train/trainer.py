@@ -57,6 +57,8 @@ class Budget:
     # eagle, eagle3, eesd: the head layer's MLP width (0: the target's). A narrower MLP trains faster per token on a
     # CPU, where a large target's head is slow to train (its LM head and MLP dominate a step)
     intermediate_size: int = 0
+    # eagle3: the head's layer starts from the target's last layer (Eagle3Head.start_from) where it is a Llama block
+    warm_start: bool = True
     prompt_weight: float = 1.0  # eagle3: loss weight of the prompt's positions (the answer's weigh 1)
     medusa_heads: int = 3
     lr: float = 1e-3
@@ -155,6 +157,9 @@ def initial_head(kind: str, target, sequences: list[dict], budget: Budget):
         with torch.no_grad():  # start from the target's own LM head rows and final norm
             head.lm_head.weight.copy_(frozen["lm_head"][head.target_ids()])
             head.norm.weight.copy_(frozen["norm"])
+        layer = target_side.last_layer(target) if budget.warm_start else None
+        if layer is not None:
+            head.start_from(layer)
     return head
 
 
