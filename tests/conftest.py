@@ -245,7 +245,7 @@ def quick_head(target, kind: str, folder):
             store.extract(target, greedy_sequences(target, 16), layers, fused, {"kind": kind})
             sequences = store.load()
             budget = Budget(epochs=6, draft_vocab=target.vocab_size // 2, ttt_steps=2, medusa_heads=3, lr=3e-3,
-                            warmup=2, batch=4, held_out=0)
+                            warmup=2, batch=4, held_out=0, warm_start=False)  # a tiny random layer is no start
             head = initial_head(kind, target, sequences, budget)
             TrainingRun(kind, head, target, sequences, folder, budget, "cpu", False).run([])
         _QUICK_HEADS[key] = head.eval().to(target.dtype)
