@@ -995,19 +995,24 @@ torch::Tensor fused_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
                                 residual.size(0) == rows && residual.size(1) == n_out),
               "residual must be [M, n_out] float32, contiguous");
   if (!has_bias && !has_post && !has_residual) return width == n_out ? y : y.narrow(1, 0, n_out);
+  // Pointers read once: data_ptr() checks the tensor on every call, which in the per-element loops below cost more
+  // than the additions.
   float* yd = y.data_ptr<float>();
+  const float* bias_data = has_bias ? bias.data_ptr<float>() : nullptr;
+  const float* post_data = has_post ? post_norm.data_ptr<float>() : nullptr;
+  float* residual_data = has_residual ? residual.data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> normed(has_post ? n_out : 0);
     for (int64_t r = begin; r < end; ++r) {
       float* row = yd + r * width;
       if (has_bias)
-        for (int64_t c = 0; c < n_out; ++c) row[c] = row[c] + bias.data_ptr<float>()[c];
+        for (int64_t c = 0; c < n_out; ++c) row[c] = row[c] + bias_data[c];
       if (has_post) {
-        rms_norm_row(row, post_norm.data_ptr<float>(), n_out, fe, normed.data(), isa);
+        rms_norm_row(row, post_data, n_out, fe, normed.data(), isa);
         std::memcpy(row, normed.data(), n_out * sizeof(float));
       }
       if (has_residual) {
-        float* target = residual.data_ptr<float>() + r * n_out;
+        float* target = residual_data + r * n_out;
         for (int64_t c = 0; c < n_out; ++c) target[c] = target[c] + row[c];
       }
     }
