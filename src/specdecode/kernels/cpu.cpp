@@ -199,19 +199,27 @@ void q8_tile_scalar(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-inline int32_t word_at(const int8_t* p) {
+// The 4 bytes at p in every 32-bit lane, by a float broadcast from memory (a plain load) where `wide` (many rows: the
+// kernels issue 8 a row and block, and the integer vpbroadcastd takes a vector-pipe uop on some cores), else by
+// vpbroadcastd (measured faster with few rows).
+template <bool wide>
+inline __m256i broadcast4(const int8_t* p) {
+  if (wide) return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
   int32_t v;
   std::memcpy(&v, p, 4);
-  return v;
+  return _mm256_set1_epi32(v);
 }
 
-// int4, 8 columns (half h of a tile), R rows at a time.
+// int4, 8 columns (half h of a tile), R rows at a time. The mins' terms (the same float operations in the same order
+// as the other paths) join the block loop for up to 4 rows; from 5 rows on, a second set of R accumulators there
+// spills AVX2's 16 registers, so a second pass over the tile adds them (32 bytes a block, read from cache).
 template <int R>
 void q4_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
                   int64_t y_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R], accm[R];  // the dot products' and the mins' terms
+  constexpr bool mins_inline = R <= 4;
+  __m256 acc[R], accm[R];
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * Q4_BYTES;
@@ -224,20 +232,26 @@ void q4_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a
       hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     }
     const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
+    const __m256 mw = mins_inline ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)))
+                                  : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
       __m256i part[4];  // int16 pair sums; each lane of their total holds 16 products, |sum| <= 16 * 15 * 127
       for (int c = 0; c < 4; ++c)
-        part[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(word_at(codes + 4 * c))),
-                                   _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(word_at(codes + 16 + 4 * c))));
+        part[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], broadcast4<!mins_inline>(codes + 4 * c)),
+                                   _mm256_maddubs_epi16(hi[c], broadcast4<!mins_inline>(codes + 16 + 4 * c)));
       const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part[0], part[1]), _mm256_add_epi16(part[2], part[3]));
       const __m256i dot = _mm256_madd_epi16(pairs, ones);
-      const float sa = a.scales[row * blocks + b], shift = a.shifts[row * blocks + b];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(sa)), acc[r]);
-      accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(shift), accm[r]);
+      const __m256 sa = _mm256_broadcast_ss(&a.scales[row * blocks + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, sa), acc[r]);
+      if (mins_inline) accm[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&a.shifts[row * blocks + b]), accm[r]);
     }
+  }
+  for (int64_t b = 0; !mins_inline && b < blocks; ++b) {
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + b * Q4_BYTES + 288 + 16 * h)));
+    for (int r = 0; r < R; ++r)
+      accm[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&a.shifts[(r0 + r) * blocks + b]), accm[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * y_stride + 8 * h, _mm256_add_ps(acc[r], accm[r]));
 }
@@ -262,13 +276,13 @@ void q8_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a
       const int8_t* mags = reinterpret_cast<const int8_t*>(a.magnitudes.data()) + (row * blocks + b) * BLOCK;
       __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       for (int c = 0; c < 8; ++c) {
-        const __m256i signed_w = _mm256_sign_epi8(w[c], _mm256_set1_epi32(word_at(codes + 4 * c)));
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(word_at(mags + 4 * c)), signed_w);
+        const __m256i signed_w = _mm256_sign_epi8(w[c], broadcast4<(R > 4)>(codes + 4 * c));
+        const __m256i pairs = _mm256_maddubs_epi16(broadcast4<(R > 4)>(mags + 4 * c), signed_w);
         part[c % 2] = _mm256_add_epi32(part[c % 2], _mm256_madd_epi16(pairs, ones));
       }
       const __m256i dot = _mm256_add_epi32(part[0], part[1]);
-      const float sa = a.scales[row * blocks + b];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(sa)), acc[r]);
+      const __m256 sa = _mm256_broadcast_ss(&a.scales[row * blocks + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, sa), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
@@ -376,7 +390,7 @@ void tile_avx512(int bits, const uint8_t* tile, int64_t blocks, const QuantRows&
 using TileFn = void (*)(int, const uint8_t*, int64_t, const QuantRows&, int64_t, float*, int64_t);
 
 constexpr int MAX_ROWS_AVX512 = 8;
-constexpr int MAX_ROWS_AVX2 = 4;
+constexpr int MAX_ROWS_AVX2 = 8;
 
 TileFn avx512_kernel(int rows) {
   static const TileFn table[] = {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
@@ -385,7 +399,8 @@ TileFn avx512_kernel(int rows) {
 }
 
 TileFn avx2_kernel(int rows) {
-  static const TileFn table[] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+  static const TileFn table[] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
+                                 tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
   return table[rows];
 }
 
