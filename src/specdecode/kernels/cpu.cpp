@@ -316,6 +316,7 @@ template <int R>
 void q4_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t r0, float* y,
                     int64_t y_stride) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  constexpr bool mins_inline = R <= 8;  // else the mins' terms in a second pass (as q4_half_avx2: registers)
   __m512 acc[R], accm[R];  // the dot products' and the mins' terms
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -328,7 +329,8 @@ void q4_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
       hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    const __m512 mw = mins_inline ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)))
+                                  : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* codes = a.codes.data() + (row * blocks + b) * BLOCK;
@@ -342,8 +344,12 @@ void q4_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
       const __m512i dot = _mm512_add_epi32(part[0], part[1]);
       const float sa = a.scales[row * blocks + b], shift = a.shifts[row * blocks + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(sa)), acc[r]);
-      accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(shift), accm[r]);
+      if (mins_inline) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(shift), accm[r]);
     }
+  }
+  for (int64_t b = 0; !mins_inline && b < blocks; ++b) {
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + b * Q4_BYTES + 288)));
+    for (int r = 0; r < R; ++r) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.shifts[(r0 + r) * blocks + b]), accm[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * y_stride, _mm512_add_ps(acc[r], accm[r]));
 }
@@ -389,12 +395,14 @@ void tile_avx512(int bits, const uint8_t* tile, int64_t blocks, const QuantRows&
 // Row chunks: the widest kernel that fits the rows left; a row's arithmetic is the same in every width.
 using TileFn = void (*)(int, const uint8_t*, int64_t, const QuantRows&, int64_t, float*, int64_t);
 
-constexpr int MAX_ROWS_AVX512 = 8;
+constexpr int MAX_ROWS_AVX512 = 16;
 constexpr int MAX_ROWS_AVX2 = 8;
 
 TileFn avx512_kernel(int rows) {
-  static const TileFn table[] = {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
-                                 tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
+  static const TileFn table[] = {nullptr,         tile_avx512<1>,  tile_avx512<2>,  tile_avx512<3>,  tile_avx512<4>,
+                                 tile_avx512<5>,  tile_avx512<6>,  tile_avx512<7>,  tile_avx512<8>,  tile_avx512<9>,
+                                 tile_avx512<10>, tile_avx512<11>, tile_avx512<12>, tile_avx512<13>, tile_avx512<14>,
+                                 tile_avx512<15>, tile_avx512<16>};
   return table[rows];
 }
 
