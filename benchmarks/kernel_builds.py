@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from specdecode.kernels import cpu_flags, cpu_model
+from specdecode.kernels import cpu_flags, cpu_model, import_built
 from specdecode.models.base import prefill
 from specdecode.models.loading import load_model
 from specdecode.tune.machine import context_ids
-
-
-def load_build(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -42,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [int(part) for part in args.rows.split(",")]
     target = load_model(args.model, quant=args.quant)
-    kernels = [dataclasses.replace(target.ops.kernels, module=load_build(path)) for path in args.builds]
+    kernels = [dataclasses.replace(target.ops.kernels, module=import_built(Path(path))) for path in args.builds]
     context = context_ids(target.vocab_size)
     cache = target.new_cache(len(context) + max(rows))
     prefill(target, cache, context)

@@ -162,6 +162,14 @@ def build_id() -> str:
     return hashlib.sha256(source + torch.__version__.encode() + platform.machine().encode()).hexdigest()[:12]
 
 
+def import_built(path: Path):
+    """The extension module compiled into `path` (its stem is the module's name), imported from that file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _compile():
     from torch.utils.cpp_extension import load
 
@@ -176,10 +184,7 @@ def _compile():
     name = f"specdecode_cpu_{digest}"
     built = build / f"{name}.so"
     if built.exists():  # built before: import it, without torch's build lock (and its ninja run) in every process
-        spec = importlib.util.spec_from_file_location(name, built)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return import_built(built)
     build.mkdir(parents=True, exist_ok=True)
     return load(
         name=name,
