@@ -5,8 +5,8 @@ decoding's, for quick what-if questions before a full `specdecode bench`.
     python benchmarks/compare_options.py --model gemma-3-270m --quant int4 \
         '{"name": "kangaroo", "draft_model": "DIR"}' '{"name": "layerskip", "vocab": 32768, "governor": false}'
 
-Each configuration is JSON: `name` (a drafter), `governor` (default true), `draft` (a draft model to load), and the
-drafter's options.
+Each configuration is JSON: `name` (a drafter), `governor` (default true), `draft` (a draft model to load) or
+`draft_model` (a trained head's folder), and the drafter's options (the suffix hybrid's `lookup` included).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from importlib.resources import files
 
 import torch
 
-from specdecode.drafters import DRAFTERS
+from specdecode.drafters.base import build_drafter
 from specdecode.engine import generate
 from specdecode.governor import Governor
 from specdecode.kernels import cpu_flags
@@ -45,10 +45,9 @@ def main() -> None:
     def run(config: dict, ids: list[int]):
         key = json.dumps(config)
         if key not in drafters:
-            options = {k: v for k, v in config.items() if k not in ("name", "governor", "draft")}
-            if "draft" in config:
-                options["draft_model"] = load_model(config["draft"], quant=args.quant)
-            drafters[key] = DRAFTERS[config["name"]](target, **options)
+            options = {k: v for k, v in config.items() if k not in ("name", "governor", "draft", "draft_model")}
+            draft_model = load_model(config["draft"], quant=args.quant) if "draft" in config else config.get("draft_model")
+            drafters[key] = build_drafter(config["name"], target, draft_model, **options)
         governed = config.get("governor", True) and config["name"] != "none"
         start = time.perf_counter()
         tokens, stats = generate(target, drafters[key], ids, args.max_new_tokens, SamplingParams(),
