@@ -46,7 +46,9 @@ def main() -> None:
         key = json.dumps(config)
         if key not in drafters:
             options = {k: v for k, v in config.items() if k not in ("name", "governor", "draft", "draft_model")}
-            draft_model = load_model(config["draft"], quant=args.quant) if "draft" in config else config.get("draft_model")
+            draft_model = config.get("draft_model")  # a head's folder, or a draft model to load:
+            if "draft" in config:
+                draft_model = load_model(config["draft"], quant=args.quant)
             drafters[key] = build_drafter(config["name"], target, draft_model, **options)
         governed = config.get("governor", True) and config["name"] != "none"
         start = time.perf_counter()

@@ -85,7 +85,8 @@ int64_t xor_lines(const uint8_t* data, int64_t begin, int64_t end) {  // 128-byt
 int64_t stream(torch::Tensor buffer) {  // reads every byte once with 32-byte loads, over all threads
   const uint8_t* data = buffer.data_ptr<uint8_t>();
   std::atomic<int64_t> sink{0};
-  at::parallel_for(0, buffer.numel() / 128, 4096, [&](int64_t begin, int64_t end) { sink += xor_lines(data, begin, end); });
+  at::parallel_for(0, buffer.numel() / 128, 4096,
+                   [&](int64_t begin, int64_t end) { sink += xor_lines(data, begin, end); });
   return sink;
 }
 """
