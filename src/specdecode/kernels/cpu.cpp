@@ -32,10 +32,24 @@ constexpr int BLOCK = 32;   // inputs per quantization block
 constexpr int TILE = 16;    // output columns per weight tile
 constexpr int Q4_BYTES = 4 * 64 + 2 * TILE * 2;  // nibbles + scales + mins
 constexpr int Q8_BYTES = 8 * 64 + TILE * 2;      // codes + scales
-constexpr int PREFETCH = 6;  // blocks ahead (weights stream from memory once per forward)
+constexpr int PREFETCH = 12;  // blocks ahead into L1 (weights stream from memory once per forward)
+constexpr int PREFETCH_L2 = 20 * 1024;  // bytes ahead into L2 as well, where the pass is memory-bound (few rows):
+constexpr int FAR_ROWS_AVX512 = 4;       // up to this many rows a pass (AVX-512 VNNI)
+constexpr int FAR_ROWS_AVX2 = 2;         // (AVX2: its int8 products cost twice the instructions)
 constexpr int64_t ROW_BLOCK = 128;  // rows per pass over the weights (quant_linear)
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+// Requests a weight block's cache lines PREFETCH blocks ahead into L1 and, with `far`, PREFETCH_L2 bytes ahead into L2:
+// with few rows a pass over the weights waits on memory, and the hardware prefetcher alone keeps too few lines in
+// flight to stream at the machine's rate; with many rows it is compute-bound and the extra requests only cost issue
+// slots.
+template <int BYTES>
+inline void prefetch_block(const uint8_t* blk, bool far) {
+  for (int line = 0; line < BYTES; line += 64) _mm_prefetch(blk + PREFETCH * BYTES + line, _MM_HINT_T0);
+  if (far)
+    for (int line = 0; line < BYTES; line += 64) _mm_prefetch(blk + PREFETCH_L2 + line, _MM_HINT_T1);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Activation quantization: per row, per block of 32, symmetric int8 with |q| <= 127.
@@ -223,8 +237,7 @@ void q4_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * Q4_BYTES;
-    if (h == 0)
-      for (int line = 0; line < Q4_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q4_BYTES + line, _MM_HINT_T0);
+    if (h == 0) prefetch_block<Q4_BYTES>(blk, R <= FAR_ROWS_AVX2);
     __m256i lo[4], hi[4];
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * h));
@@ -265,8 +278,7 @@ void q8_half_avx2(const uint8_t* tile, int h, int64_t blocks, const QuantRows& a
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * Q8_BYTES;
-    if (h == 0)
-      for (int line = 0; line < Q8_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q8_BYTES + line, _MM_HINT_T0);
+    if (h == 0) prefetch_block<Q8_BYTES>(blk, R <= FAR_ROWS_AVX2);
     __m256i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * h));
     const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 512 + 16 * h)));
@@ -321,7 +333,7 @@ void q4_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * Q4_BYTES;
-    for (int line = 0; line < Q4_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q4_BYTES + line, _MM_HINT_T0);
+    prefetch_block<Q4_BYTES>(blk, R <= FAR_ROWS_AVX512);
     __m512i lo[4], hi[4];
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(blk + 64 * c);
@@ -363,7 +375,7 @@ void q8_tile_avx512(const uint8_t* tile, int64_t blocks, const QuantRows& a, int
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * Q8_BYTES;
-    for (int line = 0; line < Q8_BYTES; line += 64) _mm_prefetch(blk + PREFETCH * Q8_BYTES + line, _MM_HINT_T0);
+    prefetch_block<Q8_BYTES>(blk, R <= FAR_ROWS_AVX512);
     __m512i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * c), flip);
     const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
