@@ -5,7 +5,7 @@ result depends on the other rows.
     python benchmarks/kernels.py [--model-shape qwen1.5b] [--rows 1,2,4,8,16,32] [--candidates ...]
 
 Candidates:
-- specdecode-avx512 / -avx2 / -scalar: specdecode's kernels (int8 activations per row and block of 32, exact
+- specdecode-amx / -avx512 / -avx2 / -scalar: specdecode's kernels (int8 activations per row and block of 32, exact
   integer dot products, fixed-order sums; kernels/cpu.cpp), on each code path this CPU runs;
 - torch-int4: torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations, weights de-quantized per row block);
 - ort-int4: onnxruntime's MatMulNBits with accuracy_level=4 (int8 activations; `pip install onnxruntime onnx`).
@@ -78,8 +78,8 @@ def candidates(names: list[str]):
     made = {}
     for name in names:
         if name.startswith("specdecode-"):
-            isa = {"avx512": "avx512-vnni", "avx2": "avx2", "scalar": "scalar"}[name.split("-", 1)[1]]
-            if kernels.native() is None or kernels._ISA_FLAGS[isa] - kernels.cpu_flags():
+            isa = {"amx": "avx512-amx", "avx512": "avx512-vnni", "avx2": "avx2", "scalar": "scalar"}[name.split("-", 1)[1]]
+            if kernels.native() is None or isa not in kernels.supported_isas():
                 continue
             made[name] = specdecode_candidate(isa)
         elif name == "torch-int4":
@@ -119,12 +119,12 @@ def main() -> None:
     parser.add_argument("--model-shape", default="qwen1.5b", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="1,2,4,8,16,32")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--candidates", default="specdecode-avx512,specdecode-avx2,torch-int4,ort-int4")
+    parser.add_argument("--candidates", default="specdecode-amx,specdecode-avx512,specdecode-avx2,torch-int4,ort-int4")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     shapes, count = SHAPES[args.model_shape]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu flags: "
-          f"{' '.join(f for f in ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16') if f in kernels.cpu_flags())}")
+          f"{' '.join(f for f in ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_int8') if f in kernels.cpu_flags())}")
     print(f"{args.model_shape}: {count} layers x {len(shapes)} linears; ms per pass (fastest of {args.repeats}, "
           "median in brackets) and x one row")
     print("| candidate | rows independent | " + " | ".join(f"{m} rows" for m in rows) + " |")

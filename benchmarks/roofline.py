@@ -112,7 +112,7 @@ def main() -> None:
     if native is None:
         raise SystemExit(f"specdecode's kernels are not built here: {kernels.status()}")
     flags = kernels.cpu_flags()
-    vnni = native.isa == "avx512-vnni"
+    vnni = native.isa.startswith("avx512")
     print(f"cpu: {kernels.cpu_model()}, {torch.get_num_threads()} threads, flags: "
           f"{' '.join(f for f in ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_int8') if f in flags)}; "
           f"kernel path {native.isa}")

@@ -1,6 +1,6 @@
 """Row-exact verification: with int4/int8 weights (specdecode's kernels), a forward over N rows (a draft tree, a
 batch of requests) gives bit for bit what N one-row forwards give, on the real SmolLM2 weights; and the kernels
-themselves compute the right numbers, the same on every code path (AVX-512 VNNI, AVX2, scalar)."""
+themselves compute the right numbers, the same on every code path (AMX, AVX-512 VNNI, AVX2, scalar)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from specdecode.models.native.linear import Linear, dequantize
 from specdecode.tree import Draft, ancestor_mask, with_root
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason="the kernels cannot be built here")
-PATHS = [isa for isa in kernels.ISAS if kernels._ISA_FLAGS[isa] <= kernels.cpu_flags()]
+PATHS = kernels.supported_isas()
 
 
 def on(isa: str) -> kernels.Kernels:
@@ -26,28 +26,33 @@ def on(isa: str) -> kernels.Kernels:
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_quantized_linear_is_exact_per_row_and_path(quant):
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(72, 96) * 0.05, torch.randn(72), torch.randn(11, 96)  # N not a multiple of 16
+    # N not a multiple of 16: AMX takes the first 32 rows, AVX-512 the rest, in one call
+    weight, bias, x = torch.randn(72, 96) * 0.05, torch.randn(72), torch.randn(37, 96)
     layer = Linear.of(weight, bias, quant, torch.float32)
-    y = layer(x)  # [11, 72]
+    y = layer(x)  # [37, 72]
     # the function: de-quantized weights times the input, up to the int8 rounding of the activations
     reference = x @ dequantize(layer.packed, quant)[:72].T + bias
     assert (y - reference).norm() <= 0.01 * reference.norm()
-    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(11)]))
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(37)]))
     bits = 8 if quant == "int8" else 4
     outputs = [on(isa).quant_linear(x, layer.packed, bits) for isa in PATHS]
     assert all(torch.equal(outputs[0], out) for out in outputs[1:]), f"paths {PATHS} disagree"
 
 
 @pytest.mark.parametrize("isa", PATHS)
-def test_many_rows_run_in_passes_and_each_row_is_still_computed_alone(isa):
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_many_rows_run_in_passes_and_each_row_is_still_computed_alone(isa, quant):
     """A prefill's rows go through the weights in passes of a block of rows (kernels' ROW_BLOCK): a row's numbers
     do not depend on its pass or its place in it."""
     torch.manual_seed(1)
-    layer = Linear.of(torch.randn(48, 64) * 0.05, None, "int4", torch.float32)
-    x = torch.randn(300, 64)  # more rows than a pass holds, not a multiple of it
-    y = on(isa).quant_linear(x, layer.packed, 4)
-    for i in (0, 127, 128, 129, 255, 256, 299):
-        assert torch.equal(y[i : i + 1], on(isa).quant_linear(x[i : i + 1], layer.packed, 4)), f"row {i}"
+    bits = 8 if quant == "int8" else 4
+    layer = Linear.of(torch.randn(48, 288) * 0.05, None, quant, torch.float32)  # 9 blocks: AMX's groups of 8 and 1
+    x = torch.randn(300, 288)  # more rows than a pass holds, not a multiple of it
+    y = on(isa).quant_linear(x, layer.packed, bits)
+    for i in (0, 15, 16, 127, 128, 129, 255, 256, 299):
+        assert torch.equal(y[i : i + 1], on(isa).quant_linear(x[i : i + 1], layer.packed, bits)), f"row {i}"
+    reference = x @ dequantize(layer.packed, quant)[:48].T
+    assert (y - reference).norm() <= 0.01 * reference.norm()
 
 
 @pytest.mark.parametrize("isa", PATHS)

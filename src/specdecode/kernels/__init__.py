@@ -3,8 +3,8 @@ computed exactly as a one-row forward would compute them, so that verifying N dr
 bit for bit what N plain decoding steps give.
 
 The extension is compiled once per machine kind on first use (torch's cpp_extension, g++), cached under
-~/.cache/specdecode/kernels/, and picks its code path at run time from the CPU's flags: AVX-512 VNNI, AVX2
-(vpmaddubsw), or a scalar path that computes the same numbers. Where it cannot be built (no compiler), `native()`
+~/.cache/specdecode/kernels/, and picks its code path at run time from the CPU's flags: AMX (with AVX-512 VNNI for the rows
+that do not fill a tile), AVX-512 VNNI, AVX2 (vpmaddubsw), or a scalar path that computes the same numbers. Where it cannot be built (no compiler), `native()`
 returns None with the reason in `status()`, and the model files fall back to torch's kernels (rows then round
 differently, and the speed of tree verification is torch's).
 """
@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-ISAS = ("scalar", "avx2", "avx512-vnni")  # index = the code the C++ side takes
+ISAS = ("scalar", "avx2", "avx512-vnni", "avx512-amx")  # index = the code the C++ side takes
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 _ISA_FLAGS = {
-    "avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+    "avx512-amx": _AVX512 | {"amx_tile", "amx_int8"},
+    "avx512-vnni": _AVX512,
     "avx2": {"avx2", "fma", "f16c"},
     "scalar": set(),
 }
@@ -55,16 +57,38 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def best_isa() -> str:
-    """The fastest code path this CPU runs; SPECDECODE_ISA=avx2|scalar forces a slower one (tests, comparisons)."""
+def supported_isas() -> list[str]:
+    """The code paths this CPU runs, slowest first."""
     flags = cpu_flags()
-    supported = [isa for isa in ISAS if _ISA_FLAGS[isa] <= flags]
+    return [isa for isa in ISAS if _ISA_FLAGS[isa] <= flags and (isa != "avx512-amx" or _amx_permitted())]
+
+
+@lru_cache(maxsize=1)
+def _amx_permitted() -> bool:
+    """Linux lends a process AMX's register state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); the kernels ask
+    again, which is a no-op once granted."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    import ctypes
+
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+
+
+def best_isa() -> str:
+    """The fastest code path this CPU runs; SPECDECODE_ISA=avx512-vnni|avx2|scalar forces a slower one (tests,
+    comparisons)."""
+    flags = cpu_flags()
+    supported = supported_isas()
     forced = os.environ.get("SPECDECODE_ISA")
     if forced:
         if forced not in ISAS:
             raise ValueError(f"SPECDECODE_ISA={forced}: use one of {', '.join(ISAS)}")
         if forced not in supported:
-            raise ValueError(f"SPECDECODE_ISA={forced}: this CPU lacks {sorted(_ISA_FLAGS[forced] - flags)}")
+            missing = sorted(_ISA_FLAGS[forced] - flags)
+            raise ValueError(f"SPECDECODE_ISA={forced}: " + (f"this CPU lacks {missing}" if missing else
+                                                              "the OS does not lend this process AMX"))
         return forced
     return supported[-1]
 

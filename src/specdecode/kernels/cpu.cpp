@@ -5,7 +5,8 @@
 //
 // Linear (weights int4 or int8, activations int8):
 //   - activations are quantized per row and per block of 32 (symmetric, |q| <= 127: a row's own numbers only);
-//   - integer dot products per block are exact in int32 (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw + vpmaddwd);
+//   - integer dot products per block are exact in int32 (AMX tdpbsud/tdpbssd for 16 rows at a time where the CPU has
+//     AMX, AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw + vpmaddwd);
 //   - each output column sums its blocks in block order with the same float operations in every code path
 //     (vectorized across output columns, never across the reduction), so the scalar, AVX2 and AVX-512 paths agree
 //     bit for bit, whatever the number of rows or threads.
@@ -19,6 +20,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -38,7 +42,7 @@ constexpr int FAR_ROWS_AVX512 = 4;       // up to this many rows a pass (AVX-512
 constexpr int FAR_ROWS_AVX2 = 2;         // (AVX2: its int8 products cost twice the instructions)
 constexpr int64_t ROW_BLOCK = 128;  // rows per pass over the weights (quant_linear)
 
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AMX = 3 };  // AMX: AVX-512 VNNI as well
 
 // Requests a weight block's cache lines PREFETCH blocks ahead into L1 and, with `far`, PREFETCH_L2 bytes ahead into L2:
 // with few rows a pass over the weights waits on memory, and the hardware prefetcher alone keeps too few lines in
@@ -424,6 +428,130 @@ TileFn avx2_kernel(int rows) {
   return table[rows];
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// AMX (Intel Sapphire Rapids and later): one tile instruction gives the exact int32 dot products of 16 rows x 16
+// columns x one block, which AVX-512 VNNI computes with 8 vpdpbusd a row. The float epilogue (scale, sum in block
+// order, the int4 mins' terms) is q4_tile_avx512's / q8_tile_avx512's, operation for operation, so a row's numbers are
+// those of every other path. Rows past the last full 16 take the AVX-512 kernel.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+constexpr int AMX_ROWS = 16;   // rows a tile instruction takes
+constexpr int AMX_MIN_ROWS = 32;  // fewer rows stay on AVX-512 VNNI: one tile of rows does not repay unpacking the
+                                  // int4 weights for the tiles (measured slower at 16 rows)
+constexpr int AMX_GROUP = 8;   // blocks whose dot products are staged before their float epilogue
+
+// Linux lends a process the AMX register state only on request (once per process; later calls are no-ops).
+bool amx_permitted() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return permitted;
+}
+
+// Tiles 0 and 3: dot products [16 rows, 16 int32]; 1 and 4: activation codes [16 rows, 32 int8]; 2 and 5: one
+// block's weights [8, 64] in the layout tdpb* reads (row i: column j's inputs 4i..4i+3 in bytes 4j..4j+3), which is
+// the packed int8 chunks as they are and the int4 chunks' low nibbles (rows 0-3) then high nibbles (rows 4-7). Two
+// sets, so that one block's tile loads overlap the other's product.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig amx_config() {
+  TileConfig config;
+  for (int t : {0, 3}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = 64;
+  for (int t : {1, 4}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = BLOCK;
+  for (int t : {2, 5}) config.rows[t] = BLOCK / 4, config.bytes_per_row[t] = 64;
+  return config;
+}
+
+// Loads the tile configuration where the thread's differs (loading it costs more than reading it): other libraries
+// on the thread (oneDNN in torch) configure tiles their own way and release them.
+void amx_configure() {
+  static const TileConfig wanted = amx_config();
+  TileConfig current;
+  _tile_storeconfig(&current);
+  if (std::memcmp(&current, &wanted, sizeof wanted) != 0) _tile_loadconfig(&wanted);
+}
+
+// One block's dot products into `dots` [16 rows, 16 int32], with tiles C, A, B (literal numbers: the intrinsics name
+// their registers in the instruction text).
+#define AMX_BLOCK_DOTS(C, A, B, signed_weights, codes, code_stride, weights, dots) \
+  do {                                                                             \
+    _tile_loadd(A, codes, code_stride);                                            \
+    _tile_loadd(B, weights, 64);                                                   \
+    _tile_zero(C);                                                                 \
+    if (signed_weights)                                                            \
+      _tile_dpbssd(C, A, B);                                                       \
+    else                                                                           \
+      _tile_dpbsud(C, A, B);                                                       \
+    _tile_stored(C, dots, 64);                                                     \
+  } while (0)
+
+// Rows [row_begin, row_begin + 16 * chunks) of one weight tile (at most ROW_BLOCK rows).
+void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
+                   int64_t chunks, float* y, int64_t y_stride) {
+  const int64_t bytes = bits == 4 ? Q4_BYTES : Q8_BYTES, scales_at = bits == 4 ? 256 : 512;
+  const int64_t code_stride = blocks * BLOCK;
+  alignas(64) float acc[ROW_BLOCK][TILE], accm[ROW_BLOCK][TILE];  // the dot products' and the mins' terms
+  alignas(64) uint8_t unpacked[AMX_GROUP][BLOCK / 4 * 64];
+  alignas(64) int32_t dots[AMX_GROUP][AMX_ROWS * TILE];
+  alignas(64) float scales[AMX_GROUP][TILE], mins[AMX_GROUP][TILE];
+  const uint8_t* weights[AMX_GROUP];
+  const int64_t rows = chunks * AMX_ROWS;
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    _mm512_store_ps(accm[r], _mm512_setzero_ps());
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  amx_configure();
+  for (int64_t b0 = 0; b0 < blocks; b0 += AMX_GROUP) {
+    const int n = static_cast<int>(std::min<int64_t>(AMX_GROUP, blocks - b0));
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* blk = tile + (b0 + j) * bytes;
+      weights[j] = blk;
+      if (bits == 4) {
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+          _mm512_store_si512(unpacked[j] + 64 * c, _mm512_and_si512(v, low4));
+          _mm512_store_si512(unpacked[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
+        weights[j] = unpacked[j];
+        _mm512_store_ps(mins[j], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))));
+      }
+      _mm512_store_ps(scales[j], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + scales_at))));
+    }
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t r0 = row_begin + chunk * AMX_ROWS;
+      const int8_t* codes = a.codes.data() + (r0 * blocks + b0) * BLOCK;
+      for (int j = 0; j < n; j += 2) {
+        AMX_BLOCK_DOTS(0, 1, 2, bits == 8, codes + j * BLOCK, code_stride, weights[j], dots[j]);
+        if (j + 1 < n) AMX_BLOCK_DOTS(3, 4, 5, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], dots[j + 1]);
+      }
+      for (int r = 0; r < AMX_ROWS; ++r) {
+        const int64_t row = r0 + r, at = row * blocks + b0;
+        float* row_acc = acc[row - row_begin];
+        float* row_accm = accm[row - row_begin];
+        __m512 sum = _mm512_load_ps(row_acc), sum_mins = _mm512_load_ps(row_accm);
+        for (int j = 0; j < n; ++j) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j] + r * TILE));
+          sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_load_ps(scales[j]), _mm512_set1_ps(a.scales[at + j])), sum);
+          if (bits == 4) sum_mins = _mm512_fmadd_ps(_mm512_load_ps(mins[j]), _mm512_set1_ps(a.shifts[at + j]), sum_mins);
+        }
+        _mm512_store_ps(row_acc, sum);
+        _mm512_store_ps(row_accm, sum_mins);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 out = bits == 4 ? _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(accm[r])) : _mm512_load_ps(acc[r]);
+    _mm512_storeu_ps(y + (row_begin + r) * y_stride, out);
+  }
+}
+
+#pragma GCC pop_options
+
 void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
               int64_t row_end, float* y, int64_t y_stride) {
   if (isa == SCALAR) {
@@ -431,10 +559,15 @@ void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const Quan
     scalar(tile, blocks, a, row_begin, row_end - row_begin, y + row_begin * y_stride, y_stride);
     return;
   }
-  const int widest = isa == AVX512 ? MAX_ROWS_AVX512 : MAX_ROWS_AVX2;
+  if (isa == AMX && row_end - row_begin >= AMX_MIN_ROWS && amx_permitted()) {
+    const int64_t chunks = (row_end - row_begin) / AMX_ROWS;
+    if (chunks > 0) tile_rows_amx(bits, tile, blocks, a, row_begin, chunks, y, y_stride);
+    row_begin += chunks * AMX_ROWS;
+  }
+  const int widest = isa >= AVX512 ? MAX_ROWS_AVX512 : MAX_ROWS_AVX2;
   for (int64_t r0 = row_begin; r0 < row_end;) {
     const int n = static_cast<int>(std::min<int64_t>(widest, row_end - r0));
-    TileFn fn = isa == AVX512 ? avx512_kernel(n) : avx2_kernel(n);
+    TileFn fn = isa >= AVX512 ? avx512_kernel(n) : avx2_kernel(n);
     fn(bits, tile, blocks, a, r0, y + r0 * y_stride, y_stride);
     r0 += n;
   }
@@ -764,7 +897,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
         const int64_t head = h * group + g0;
         const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
         float* o = out_data + ((b * q + i) * hq + head) * d;
-        if (isa == AVX512 && d % 16 == 0)
+        if (isa >= AVX512 && d % 16 == 0)
           group_avx512<T>(heads)(query, qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o,
                                  scores);
         else if (isa >= AVX2 && d % 8 == 0)
@@ -1117,6 +1250,7 @@ torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_permitted", &amx_permitted, "whether this process may use AMX (Linux grants it on request)");
   m.def("rms_norm", &rms_norm, "RMSNorm per row, rows independent");
   m.def("rotary", &rotary, "rotary embedding per head row, rows independent");
   m.def("glu", &glu, "act(gate) * up per row, rows independent");
