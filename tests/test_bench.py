@@ -186,6 +186,27 @@ def test_llama_cpp_rows_without_the_extra_say_how_to_install_it(monkeypatch):
         build_method("llama.cpp", tiny_model("llama"), load=None)
 
 
+@pytest.mark.parametrize("system_info, expected", [
+    (b"AVX512 = 1 | AMX_INT8 = 1 |", r"AMX path.*CMAKE_ARGS=.*-DGGML_NATIVE=OFF"),
+    (b"AVX512 = 1 |", r"exit -11: boom"),
+])
+def test_llama_cpp_rows_stop_with_the_cause_where_llama_cpp_crashes(monkeypatch, tmp_path, system_info, expected):
+    """A llama.cpp that dies here (a signal in its child-process probe) stops the bench before any row runs, with
+    the cause and the fix, instead of killing the bench with everything it measured."""
+    import subprocess
+    import types
+
+    from specdecode.bench import llamacpp
+
+    crashed = subprocess.CompletedProcess([], returncode=-11, stdout="", stderr="loading\nboom\n")
+    monkeypatch.setattr(llamacpp.subprocess, "run", lambda *args, **kwargs: crashed)
+    monkeypatch.setattr(llamacpp, "llama_cpp", lambda: types.SimpleNamespace(llama_print_system_info=lambda: system_info))
+    llamacpp.check_runs.cache_clear()
+    with pytest.raises(SpecDecodeError, match=expected):
+        llamacpp.check_runs(tmp_path / f"model-{len(system_info)}.gguf")
+    llamacpp.check_runs.cache_clear()
+
+
 def test_llama_cpp_rows_need_a_gguf_model():
     from specdecode.models.loading import gguf_file
 

@@ -12,7 +12,11 @@ prefill dearer; when sampling, it samples each position and accepts a draft toke
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -22,6 +26,12 @@ from ..models.loading import gguf_file
 from ..sampling import SamplingParams
 from .methods import Method
 
+# Without AMX's code: llama.cpp's AMX path (weights repacked into an "AMX" buffer) crashes on some Sapphire Rapids
+# machines with Q4_K weights (llama.cpp#20824); its AVX-512 kernels and weight repacking stay.
+NO_AMX_BUILD = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
+    "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+)
 PLD_NGRAM = 2  # LlamaPromptLookupDecoding's default, as transformers' prompt lookup
 PLD_TOKENS = 10
 CONTEXT_STEP = 2048  # the context grows in these steps when a prompt needs more
@@ -60,6 +70,7 @@ class LlamaCppMethod(Method):
         self.label, self.target, self.llama_class = label, target, module.Llama
         self.draft = CountingLookup(_prompt_lookup(module)(PLD_NGRAM, PLD_TOKENS)) if prompt_lookup else None
         self.path = gguf_file(target.name)
+        check_runs(self.path)
         self.llm = None
 
     def run(self, prompt_ids, max_new_tokens, params):
@@ -98,6 +109,33 @@ class LlamaCppMethod(Method):
                 logits_all=self.draft is not None,  # Llama sizes its logits store by this flag, not by draft_model
             )
         return self.llm
+
+
+@lru_cache(maxsize=None)
+def check_runs(path: Path) -> None:
+    """Generates a few tokens from `path` in a child process first: where llama.cpp crashes on this machine, the
+    bench stops with the cause and the fix before it starts, instead of dying with every row it measured."""
+    probe = (
+        "import itertools, llama_cpp, sys; llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=128, verbose=False); "
+        "list(itertools.islice(llm.generate(list(range(1, 48))), 4))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True)
+    if result.returncode == 0:
+        return
+    info = llama_cpp().llama_print_system_info().decode(errors="replace")
+    if "AMX_INT8 = 1" in info:
+        raise SpecDecodeError(
+            f"llama.cpp crashed running {path.name} here (exit {result.returncode}): its AMX path does so on some "
+            "Sapphire Rapids machines (llama.cpp#20824).",
+            f"Rebuild llama-cpp-python without it: CMAKE_ARGS=\"{NO_AMX_BUILD}\" pip install --force-reinstall "
+            "--no-deps --no-cache-dir llama-cpp-python==0.3.36 (it compiles llama.cpp: minutes), or leave out the "
+            "llama.cpp rows.",
+        )
+    tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    raise SpecDecodeError(
+        f"llama.cpp failed running {path.name} here (exit {result.returncode}: {tail}).",
+        "Leave out the llama.cpp rows, or reinstall llama-cpp-python (`pip install 'specdecode[llamacpp]'`).",
+    )
 
 
 def _prompt_lookup(module):
