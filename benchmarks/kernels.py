@@ -78,7 +78,8 @@ def candidates(names: list[str]):
     made = {}
     for name in names:
         if name.startswith("specdecode-"):
-            isa = {"amx": "avx512-amx", "avx512": "avx512-vnni", "avx2": "avx2", "scalar": "scalar"}[name.split("-", 1)[1]]
+            isa = {"amx": "avx512-amx", "avx512": "avx512-vnni", "avx2": "avx2", "scalar": "scalar"}[
+                name.split("-", 1)[1]]
             if kernels.native() is None or isa not in kernels.supported_isas():
                 continue
             made[name] = specdecode_candidate(isa)
@@ -123,8 +124,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     shapes, count = SHAPES[args.model_shape]
+    shown = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu flags: "
-          f"{' '.join(f for f in ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_int8') if f in kernels.cpu_flags())}")
+          f"{' '.join(f for f in shown if f in kernels.cpu_flags())}")
     print(f"{args.model_shape}: {count} layers x {len(shapes)} linears; ms per pass (fastest of {args.repeats}, "
           "median in brackets) and x one row")
     print("| candidate | rows independent | " + " | ".join(f"{m} rows" for m in rows) + " |")

@@ -200,7 +200,8 @@ def test_llama_cpp_rows_stop_with_the_cause_where_llama_cpp_crashes(monkeypatch,
 
     crashed = subprocess.CompletedProcess([], returncode=-11, stdout="", stderr="loading\nboom\n")
     monkeypatch.setattr(llamacpp.subprocess, "run", lambda *args, **kwargs: crashed)
-    monkeypatch.setattr(llamacpp, "llama_cpp", lambda: types.SimpleNamespace(llama_print_system_info=lambda: system_info))
+    module = types.SimpleNamespace(llama_print_system_info=lambda: system_info)
+    monkeypatch.setattr(llamacpp, "llama_cpp", lambda: module)
     llamacpp.check_runs.cache_clear()
     with pytest.raises(SpecDecodeError, match=expected):
         llamacpp.check_runs(tmp_path / f"model-{len(system_info)}.gguf")

@@ -29,8 +29,8 @@ from .methods import Method
 # Without AMX's code: llama.cpp's AMX path (weights repacked into an "AMX" buffer) crashes on some Sapphire Rapids
 # machines with Q4_K weights (llama.cpp#20824); its AVX-512 kernels and weight repacking stay.
 NO_AMX_BUILD = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
-    "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON "
+    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
 )
 PLD_NGRAM = 2  # LlamaPromptLookupDecoding's default, as transformers' prompt lookup
 PLD_TOKENS = 10

@@ -3,10 +3,10 @@ computed exactly as a one-row forward would compute them, so that verifying N dr
 bit for bit what N plain decoding steps give.
 
 The extension is compiled once per machine kind on first use (torch's cpp_extension, g++), cached under
-~/.cache/specdecode/kernels/, and picks its code path at run time from the CPU's flags: AMX (with AVX-512 VNNI for the rows
-that do not fill a tile), AVX-512 VNNI, AVX2 (vpmaddubsw), or a scalar path that computes the same numbers. Where it cannot be built (no compiler), `native()`
-returns None with the reason in `status()`, and the model files fall back to torch's kernels (rows then round
-differently, and the speed of tree verification is torch's).
+~/.cache/specdecode/kernels/, and picks its code path at run time from the CPU's flags: AMX (passes of 32 rows and
+more; AVX-512 VNNI for the rest), AVX-512 VNNI, AVX2 (vpmaddubsw), or a scalar path that computes the same numbers.
+Where it cannot be built (no compiler), `native()` returns None with the reason in `status()`, and the model files
+fall back to torch's kernels (rows then round differently, and the speed of tree verification is torch's).
 """
 
 from __future__ import annotations

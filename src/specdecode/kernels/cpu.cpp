@@ -451,7 +451,7 @@ bool amx_permitted() {
 // Tiles 0 and 3: dot products [16 rows, 16 int32]; 1 and 4: activation codes [16 rows, 32 int8]; 2 and 5: one
 // block's weights [8, 64] in the layout tdpb* reads (row i: column j's inputs 4i..4i+3 in bytes 4j..4j+3), which is
 // the packed int8 chunks as they are and the int4 chunks' low nibbles (rows 0-3) then high nibbles (rows 4-7). Two
-// sets, so that one block's tile loads overlap the other's product.
+// sets, alternated by block.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
@@ -520,14 +520,16 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
         weights[j] = unpacked[j];
         _mm512_store_ps(mins[j], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))));
       }
-      _mm512_store_ps(scales[j], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + scales_at))));
+      const __m256i half_scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + scales_at));
+      _mm512_store_ps(scales[j], _mm512_cvtph_ps(half_scales));
     }
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       const int64_t r0 = row_begin + chunk * AMX_ROWS;
       const int8_t* codes = a.codes.data() + (r0 * blocks + b0) * BLOCK;
       for (int j = 0; j < n; j += 2) {
         AMX_BLOCK_DOTS(0, 1, 2, bits == 8, codes + j * BLOCK, code_stride, weights[j], dots[j]);
-        if (j + 1 < n) AMX_BLOCK_DOTS(3, 4, 5, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], dots[j + 1]);
+        if (j + 1 < n)
+          AMX_BLOCK_DOTS(3, 4, 5, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], dots[j + 1]);
       }
       for (int r = 0; r < AMX_ROWS; ++r) {
         const int64_t row = r0 + r, at = row * blocks + b0;
@@ -537,7 +539,8 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
         for (int j = 0; j < n; ++j) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j] + r * TILE));
           sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_load_ps(scales[j]), _mm512_set1_ps(a.scales[at + j])), sum);
-          if (bits == 4) sum_mins = _mm512_fmadd_ps(_mm512_load_ps(mins[j]), _mm512_set1_ps(a.shifts[at + j]), sum_mins);
+          if (bits == 4)
+            sum_mins = _mm512_fmadd_ps(_mm512_load_ps(mins[j]), _mm512_set1_ps(a.shifts[at + j]), sum_mins);
         }
         _mm512_store_ps(row_acc, sum);
         _mm512_store_ps(row_accm, sum_mins);
@@ -545,8 +548,8 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 out = bits == 4 ? _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(accm[r])) : _mm512_load_ps(acc[r]);
-    _mm512_storeu_ps(y + (row_begin + r) * y_stride, out);
+    const __m512 sum = _mm512_load_ps(acc[r]);
+    _mm512_storeu_ps(y + (row_begin + r) * y_stride, bits == 4 ? _mm512_add_ps(sum, _mm512_load_ps(accm[r])) : sum);
   }
 }
 
@@ -1250,7 +1253,6 @@ torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("amx_permitted", &amx_permitted, "whether this process may use AMX (Linux grants it on request)");
   m.def("rms_norm", &rms_norm, "RMSNorm per row, rows independent");
   m.def("rotary", &rotary, "rotary embedding per head row, rows independent");
   m.def("glu", &glu, "act(gate) * up per row, rows independent");
