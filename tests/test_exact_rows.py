@@ -216,6 +216,19 @@ def test_a_tree_forward_equals_one_row_forwards_bit_for_bit(quantized_smollm2):
 
 
 @pytest.mark.real_model
+def test_a_prompt_forward_equals_one_row_forwards_bit_for_bit(quantized_smollm2):
+    """A prompt's forward (40 rows: on AMX machines the kernels' tile path takes the first 32) leaves the cache and
+    the last logits that decoding the prompt one token at a time leaves."""
+    model = quantized_smollm2
+    prompt = model.tokenizer("def fibonacci(n):\n    " + "a, b = b, a + b\n    " * 6)["input_ids"][:40]
+    assert len(prompt) == 40
+    cache = model.new_cache(len(prompt) + 2)
+    prefill(model, cache, prompt[:-1])
+    together = tree_request(cache, prompt[-1], Draft.empty()).run(model)[0]  # the logits after the whole prompt
+    assert torch.equal(together, one_row_logits(model, prompt[:1], prompt[1:]))
+
+
+@pytest.mark.real_model
 def test_a_batch_of_requests_equals_each_row_alone_bit_for_bit(quantized_smollm2):
     model = quantized_smollm2
     prompts = [model.tokenizer(text)["input_ids"] for text in ("Paris is", "import numpy as np\n", "1, 2, 3, 4,")]
