@@ -176,6 +176,8 @@ def _build(isa: str) -> Kernels | None:
     except Exception as exc:  # no compiler, missing headers, ...: fall back, and say why
         _state["reason"] = f"could not build cpu.cpp: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
         return None
+    if isa == "avx512-amx" and not module.amx_built():  # a compiler without AMX's intrinsics built it
+        isa = "avx512-vnni"
     return Kernels(module, isa)
 
 

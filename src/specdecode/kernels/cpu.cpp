@@ -432,7 +432,18 @@ TileFn avx2_kernel(int rows) {
 // AMX (Intel Sapphire Rapids and later): one tile instruction gives the exact int32 dot products of 16 rows x 16
 // columns x one block, which AVX-512 VNNI computes with 8 vpdpbusd a row. The float epilogue (scale, sum in block
 // order, the int4 mins' terms) is q4_tile_avx512's / q8_tile_avx512's, operation for operation, so a row's numbers are
-// those of every other path. Rows past the last full 16 take the AVX-512 kernel.
+// those of every other path. Rows past the last full 16 take the AVX-512 kernel. Compilers without AMX's intrinsics
+// (before GCC 11, clang 12) build the extension without this path.
+#if !defined(SPECDECODE_AMX) && defined(__has_include)
+#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
+#define SPECDECODE_AMX 1
+#endif
+#endif
+#ifndef SPECDECODE_AMX
+#define SPECDECODE_AMX 0
+#endif
+
+#if SPECDECODE_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
@@ -554,6 +565,11 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
 }
 
 #pragma GCC pop_options
+#else
+constexpr int AMX_ROWS = 16, AMX_MIN_ROWS = 32;
+bool amx_permitted() { return false; }
+void tile_rows_amx(int, const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t) {}
+#endif
 
 void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
               int64_t row_end, float* y, int64_t y_stride) {
@@ -1253,6 +1269,7 @@ torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_built", [] { return bool(SPECDECODE_AMX); }, "whether this build has the AMX path");
   m.def("rms_norm", &rms_norm, "RMSNorm per row, rows independent");
   m.def("rotary", &rotary, "rotary embedding per head row, rows independent");
   m.def("glu", &glu, "act(gate) * up per row, rows independent");
