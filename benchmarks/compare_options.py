@@ -21,10 +21,10 @@ import torch
 from specdecode.drafters.base import build_drafter
 from specdecode.engine import generate
 from specdecode.governor import Governor
-from specdecode.kernels import cpu_flags
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
 from specdecode.text import prompt_ids
+from specdecode.tune.machine import capability
 
 
 def main() -> None:
@@ -70,7 +70,7 @@ def main() -> None:
             total["identical"] += tokens == plain
     base = totals[json.dumps(configs[0])]
     print(f"{args.model} {args.quant}, {torch.get_num_threads()} threads, flags "
-          f"{' '.join(sorted(cpu_flags() & {'avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16'}))}, "
+          f"{' '.join(capability()['flags'])}, "
           f"{len(prompts)} tuning prompts x {args.max_new_tokens} tokens")
     print("| configuration | decode speed vs plain | tau | identical |\n|---|---:|---:|---:|")
     for key, total in totals.items():

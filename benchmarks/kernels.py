@@ -20,6 +20,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.models.native.linear import GROUP, pack, quantize_int4
+from specdecode.tune.machine import capability
 
 SHAPES = {  # K x N per linear layer (q/k/v fused, o, gate/up fused, down) and the layer count
     "qwen1.5b": ([(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)], 28),
@@ -124,9 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     shapes, count = SHAPES[args.model_shape]
-    shown = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu flags: "
-          f"{' '.join(f for f in shown if f in kernels.cpu_flags())}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu flags: {' '.join(capability()['flags'])}")
     print(f"{args.model_shape}: {count} layers x {len(shapes)} linears; ms per pass (fastest of {args.repeats}, "
           "median in brackets) and x one row")
     print("| candidate | rows independent | " + " | ".join(f"{m} rows" for m in rows) + " |")

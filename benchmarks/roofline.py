@@ -24,6 +24,7 @@ from torch.utils.cpp_extension import load_inline
 
 from specdecode import kernels
 from specdecode.models.native.linear import pack
+from specdecode.tune.machine import capability
 
 from kernels import SHAPES  # benchmarks/kernels.py: the layer shapes of each model
 
@@ -111,10 +112,8 @@ def main() -> None:
     native = kernels.native()
     if native is None:
         raise SystemExit(f"specdecode's kernels are not built here: {kernels.status()}")
-    flags = kernels.cpu_flags()
     vnni = native.isa.startswith("avx512")
-    print(f"cpu: {kernels.cpu_model()}, {torch.get_num_threads()} threads, flags: "
-          f"{' '.join(f for f in ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_int8') if f in flags)}; "
+    print(f"cpu: {kernels.cpu_model()}, {torch.get_num_threads()} threads, flags: {' '.join(capability()['flags'])}; "
           f"kernel path {native.isa}")
 
     probe = load_inline("specdecode_roofline", cpp_sources=SOURCE, functions=["peak", "stream"],
