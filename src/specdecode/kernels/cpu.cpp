@@ -443,13 +443,14 @@ TileFn avx2_kernel(int rows) {
 #define SPECDECODE_AMX 0
 #endif
 
+constexpr int AMX_ROWS = 16;   // rows a tile instruction takes
+constexpr int AMX_MIN_ROWS = 32;  // fewer rows stay on AVX-512 VNNI: one tile of rows does not repay unpacking the
+                                  // int4 weights for the tiles (measured slower at 16 rows)
+
 #if SPECDECODE_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
-constexpr int AMX_ROWS = 16;   // rows a tile instruction takes
-constexpr int AMX_MIN_ROWS = 32;  // fewer rows stay on AVX-512 VNNI: one tile of rows does not repay unpacking the
-                                  // int4 weights for the tiles (measured slower at 16 rows)
 constexpr int AMX_GROUP = 8;   // blocks whose dot products are staged before their float epilogue
 
 // Linux lends a process the AMX register state only on request (once per process; later calls are no-ops).
@@ -566,7 +567,6 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
 
 #pragma GCC pop_options
 #else
-constexpr int AMX_ROWS = 16, AMX_MIN_ROWS = 32;
 bool amx_permitted() { return false; }
 void tile_rows_amx(int, const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t) {}
 #endif

@@ -41,7 +41,7 @@ def capability() -> dict:
         "threads": torch.get_num_threads(),
         "flags": [flag for flag in FLAGS if flag in flags],
         "bfloat16": "native" if {"avx512_bf16", "amx_bf16"} & flags else "emulated (no AVX512_BF16/AMX)",
-        "isa": kernels.best_isa(),
+        "isa": kernels.native().isa if kernels.native() else kernels.best_isa(),  # what the build runs
     }
 
 
