@@ -59,9 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
         "@hf, @native or @native-int4 runs that row on other target weights than --backend/--quant; none (the "
         "baseline) is always included",
     )
+    bench.add_argument(
+        "--suite", default="spec-bench", help="spec-bench (the shipped Spec-Bench questions) or long (long inputs "
+        "built here from Python's standard-library sources: doc-qa, summarization, code-completion, code-editing, "
+        "follow-up, needle)",
+    )
+    bench.add_argument("--long-lengths", help="--suite long: target prompt lengths among 2k,8k,16k,32k tokens "
+                       "(default 2k,8k)")
     bench.add_argument("--questions", type=Path, help="Spec-Bench-format JSONL (default: the shipped Spec-Bench set)")
-    bench.add_argument("--groups", default=",".join(GROUPS), help="groups or MT-bench categories")
-    bench.add_argument("--per-group", type=int, default=5, help="questions per group (0 = all)")
+    bench.add_argument("--groups", help="groups or MT-bench categories (default: all of the suite's groups)")
+    bench.add_argument("--per-group", type=int, help="questions per group (0 = all; default 5), per group and "
+                       "length for --suite long (default 1)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(bench)
     add_weights_args(bench)
@@ -318,22 +326,53 @@ def cmd_bench(args) -> int:
     from .bench.runner import BenchConfig, command_line, machine, run_bench, timestamp
 
     sampling = sampling_kwargs(args)
-    if args.max_new_tokens <= 0 or args.repeats <= 0 or args.per_group < 0:
+    if args.max_new_tokens <= 0 or args.repeats <= 0 or (args.per_group or 0) < 0:
         raise SpecDecodeError("max-new-tokens and repeats must be > 0, per-group >= 0.", "Fix the numbers.")
     methods = [m.strip() for m in args.drafters.split(",") if m.strip()]
     methods = ["none"] + [m for m in methods if m != "none"]
-    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
-    questions = select(load_questions(args.questions), groups, args.per_group)
+    if args.suite == "long":
+        questions, question_ids, groups, lengths = long_suite_questions(args)
+    elif args.suite == "spec-bench":
+        if args.long_lengths:
+            raise SpecDecodeError("--long-lengths is for --suite long.", "Add --suite long, or drop --long-lengths.")
+        groups = [g.strip() for g in (args.groups or ",".join(GROUPS)).split(",") if g.strip()]
+        per_group = 5 if args.per_group is None else args.per_group
+        questions = select(load_questions(args.questions), groups, per_group)
+        question_ids, lengths = [q.question_id for q in questions], []
+    else:
+        raise SpecDecodeError(f"unknown --suite '{args.suite}'.", "Choose spec-bench or long.")
     config = BenchConfig(
-        model=args.model, methods=methods, question_ids=[q.question_id for q in questions], groups=groups,
+        model=args.model, methods=methods, question_ids=question_ids, groups=groups,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, backend=args.backend, quant=args.quant,
-        draft_quant=args.draft_quant, repeats=args.repeats, command=command_line(),
-        **{k: v for k, v in sampling.items() if k != "seed"}, seed=sampling["seed"] or 0,
+        draft_quant=args.draft_quant, repeats=args.repeats, suite=args.suite, long_lengths=lengths,
+        command=command_line(), **{k: v for k, v in sampling.items() if k != "seed"}, seed=sampling["seed"] or 0,
     )
     records = run_bench(config, questions, args.out)
     write_report(config, records, args.out, machine(), timestamp())
     print((args.out / "report.md").read_text())
     return 0
+
+
+def long_suite_questions(args) -> tuple:
+    """--suite long: (a function of the loaded target giving the questions, their ids, groups, lengths), every
+    argument checked before any model loads."""
+    from .bench import long_suite
+
+    if args.questions is not None:
+        raise SpecDecodeError("--questions is for --suite spec-bench (the long suite is built from Python's sources).",
+                              "Drop --questions, or drop --suite long.")
+    lengths = long_suite.parse_lengths(args.long_lengths)
+    groups = [g.strip() for g in (args.groups or ",".join(long_suite.GROUPS)).split(",") if g.strip()]
+    long_suite.check_groups(groups)
+    per_group = 1 if args.per_group is None else args.per_group
+    if per_group < 1:
+        raise SpecDecodeError("--per-group must be >= 1 with --suite long.", "Pass --per-group 1, say.")
+    ids = long_suite.question_ids(lengths, per_group, groups)
+
+    def questions(target):
+        return long_suite.questions_for(target, lengths, per_group, groups, args.max_new_tokens)
+
+    return questions, ids, groups, lengths
 
 
 def cmd_audit(args) -> int:

@@ -60,12 +60,17 @@ def summarize(rows: list[dict], baseline_tokens: dict) -> dict:
     first_token = [r.get("prefill_seconds") for r in rows]  # the prefill, which yields the first new token
     decode_seconds = seconds - sum(first_token) if rows and None not in first_token else None
     compared = [r for r in rows if key(r) in baseline_tokens]
+    prompts = [r["prompt_tokens"] for r in rows if r.get("prompt_tokens") is not None]
+    checked = [r["found_reference"] for r in rows if "found_reference" in r]
     return {
         "records": len(rows),
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "decode_tokens_per_second": (tokens - len(rows)) / decode_seconds if decode_seconds else None,
+        "time_to_first_token": sum(first_token) / len(rows) if rows and None not in first_token else None,
+        "prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
+        "reference_found": sum(checked) / len(checked) if checked else None,  # the needle's passphrase answered
         "tau": tokens / sum(forwards) if rows and None not in forwards and sum(forwards) else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "draft_share": draft / seconds if seconds else None,

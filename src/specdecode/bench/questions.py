@@ -27,6 +27,8 @@ class Question:
     category: str
     turns: tuple[str, ...]
     group: str = ""  # the Spec-Bench group, or the MT-bench category it was selected by
+    length: str = ""  # the long suite's target length label ("2k", "8k", ...); empty for Spec-Bench
+    reference: str = ""  # an answer the output must contain (the long suite's needle passphrase); empty if none
 
     def __post_init__(self):
         if not self.group:
@@ -40,12 +42,18 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
         else:
             text = Path(path).read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        return [Question(int(r["question_id"]), r["category"], tuple(r["turns"])) for r in rows]
+        return [question_from_record(r) for r in rows]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SpecDecodeError(
             f"cannot read questions from {path}: {type(exc).__name__}: {exc}",
             "Pass a JSONL file with question_id, category and turns on each line (the Spec-Bench format).",
         ) from None
+
+
+def question_from_record(r: dict) -> Question:
+    """A Spec-Bench-format record (the long suite's `length` and `reference` kept where present)."""
+    return Question(int(r["question_id"]), r["category"], tuple(r["turns"]), length=str(r.get("length", "")),
+                    reference=str(r.get("reference", "")))
 
 
 def select(questions: list[Question], groups: list[str], per_group: int) -> list[Question]:

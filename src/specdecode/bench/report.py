@@ -5,18 +5,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import long_suite
 from .metrics import BASELINE, aggregate
-from .questions import GROUP_TITLES
+from .questions import GROUP_TITLES as SPEC_BENCH_TITLES
+
+GROUP_TITLES = {**SPEC_BENCH_TITLES, **long_suite.GROUP_TITLES}
 
 
 def write_report(config, records: list[dict], out_dir: Path, machine: dict, when: str) -> dict:
     groups = [g for g in config.groups if any(r["group"] == g for r in records)] or config.groups
     table = aggregate(records, config.methods, groups)
+    by_length = metrics_by_length(records, config.methods, groups)
     results = {"config": config.__dict__, "machine": machine, "date": when, "metrics": table, "records": records}
+    if by_length:
+        results["metrics_by_length"] = by_length
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "report.md").write_text(markdown(config, table, groups, machine, when, records))
     plot(table, config.methods, groups, out_dir)
     return table
+
+
+def metrics_by_length(records: list[dict], methods: list[str], groups: list[str]) -> dict:
+    """{length label: aggregate(...)} over the long suite's records (those with a `length`), in LENGTHS order."""
+    present = {r["length"] for r in records if r.get("length")}
+    labels = [label for label in long_suite.LENGTHS if label in present] + sorted(present - set(long_suite.LENGTHS))
+    return {label: aggregate([r for r in records if r.get("length") == label], methods, groups) for label in labels}
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -35,9 +48,7 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         f"torch {machine['torch']}, transformers {machine['transformers']}"
         + (f", llama-cpp-python {machine.get('llama_cpp')}" if llama_cpp else ""),
         f"- Command: `{config.command}`",
-        f"- Questions: Spec-Bench, {len(config.question_ids)} questions ({', '.join(groups)}), "
-        f"ids {config.question_ids}; evenly spaced within each group; chat template applied; "
-        f"MT-bench second turns answer the method's own first answer.",
+        _questions_line(config, groups, machine),
         f"- {config.max_new_tokens} new tokens at most, {config.repeats} repeat(s); warm-up excluded; "
         "all methods interleaved question by question in one process.",
         "",
@@ -55,23 +66,25 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         "",
         "## Details (all groups)",
         "",
-        "| Method | tokens/s | decode tok/s | tau | acceptance | draft time | verify time | other time "
-        "| identical to `none` |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| Method | tokens/s | time to first token | decode tok/s | tau | acceptance | draft time | verify time "
+        "| other time | identical to `none` |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for method, row in table.items():
         m = row["overall"]
         lines.append(
-            f"| {method} | {m['tokens_per_second']:.2f} | {_fmt(m['decode_tokens_per_second'], '.2f')} | "
+            f"| {method} | {m['tokens_per_second']:.2f} | {_fmt(m['time_to_first_token'], '.2f', ' s')} | "
+            f"{_fmt(m['decode_tokens_per_second'], '.2f')} | "
             f"{_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.1%')} | "
             f"{_fmt(m['draft_share'], '.0%')} | {_fmt(m['verify_share'], '.0%')} | {_fmt(m['other_share'], '.0%')} | "
             f"{_fmt(m['identical_share'] if config.temperature == 0 else None, '.0%')} |"
         )
+    lines += _long_section(records, config.methods, groups)
     lines += _options_section(records)
     lines += [
         "",
-        "tokens/s is end to end (new tokens / generation time, prefill included); decode tok/s leaves out the "
-        "time to the first token and that token. "
+        "tokens/s is end to end (new tokens / generation time, prefill included); time to first token is the "
+        "prefill's time (mean per generation); decode tok/s leaves out the time to the first token and that token. "
         "tau = new tokens / target forward passes (the prefill and the bonus token count). Time shares: drafting, "
         "target verification forwards + acceptance, and the rest (prefill, bookkeeping). Peer rows (hf-*) run "
         "transformers' generate() on the model's transformers weights in the run's dtype (the same weights, except "
@@ -86,6 +99,47 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         "",
     ]
     return "\n".join(lines)
+
+
+def _questions_line(config, groups: list[str], machine: dict) -> str:
+    if getattr(config, "suite", "spec-bench") == "long":
+        return (f"- Questions: long-input suite built on this machine from Python {machine.get('python', '')}'s "
+                f"standard-library sources, {len(config.question_ids)} questions ({', '.join(groups)}) at "
+                f"{', '.join(config.long_lengths)} tokens (measured with the target's tokenizer, within 15%), "
+                f"ids {config.question_ids}; chat template applied; follow-up second turns answer the method's own "
+                "first answer.")
+    return (f"- Questions: Spec-Bench, {len(config.question_ids)} questions ({', '.join(groups)}), "
+            f"ids {config.question_ids}; evenly spaced within each group; chat template applied; "
+            f"MT-bench second turns answer the method's own first answer.")
+
+
+def _long_section(records: list[dict], methods: list[str], groups: list[str]) -> list[str]:
+    """Per length and group: prompt size, end-to-end tokens/s, time to first token, decode tokens/s, speedup; and
+    how often each method's answer held the needle's passphrase."""
+    by_length = metrics_by_length(records, methods, groups)
+    if not by_length:
+        return []
+    lines = ["", "## Long inputs: per length and group", ""]
+    for label, table in by_length.items():
+        lines += [f"### {label} tokens", "",
+                  "| Group | Method | prompt tokens | tokens/s | time to first token | decode tok/s | speedup |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for group in [*groups, "overall"]:
+            for method in methods:
+                m = table[method][group]
+                if not m["records"]:
+                    continue
+                lines.append(
+                    f"| {GROUP_TITLES.get(group, 'All groups' if group == 'overall' else group)} | {method} | "
+                    f"{_fmt(m['prompt_tokens'], '.0f')} | {m['tokens_per_second']:.2f} | "
+                    f"{_fmt(m['time_to_first_token'], '.2f', ' s')} | {_fmt(m['decode_tokens_per_second'], '.2f')} | "
+                    f"{_fmt(m['speedup'], '.2f', 'x')} |")
+        found = [f"{method} {table[method]['overall']['reference_found']:.0%}" for method in methods
+                 if table[method]["overall"]["reference_found"] is not None]
+        if found:
+            lines += ["", f"Needle passphrase in the answer: {', '.join(found)}."]
+        lines.append("")
+    return lines
 
 
 def plot(table: dict, methods: list[str], groups: list[str], out_dir: Path) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -40,6 +41,8 @@ class BenchConfig:
     quant: str = "none"
     draft_quant: str | None = None  # draft models' weights (default: quant)
     repeats: int = 1
+    suite: str = "spec-bench"  # or "long" (long_suite.py)
+    long_lengths: list[str] = field(default_factory=list)  # the long suite's target lengths
     command: str = field(default="", compare=False)
 
     def comparable(self) -> dict:
@@ -75,8 +78,10 @@ def _version(package: str) -> str | None:
         return None
 
 
-def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> list[dict]:
-    """Load the models, then run (or resume) the benchmark; return all records."""
+def run_bench(config: BenchConfig, questions: list[Question] | Callable[[object], list[Question]],
+              out_dir: Path) -> list[dict]:
+    """Load the models, then run (or resume) the benchmark; return all records. `questions` may be a function of
+    the loaded target (the long suite is built with its tokenizer)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_config(config, out_dir)  # refuse a mismatched folder before the slow model loads
     check_load_options(config.dtype, config.backend, config.quant)
@@ -93,6 +98,8 @@ def run_bench(config: BenchConfig, questions: list[Question], out_dir: Path) -> 
         return loaded[key]
 
     target = load(config.model)
+    if callable(questions):
+        questions = questions(target)
 
     methods = [build_method(spec, target, load) for spec in config.methods]
     return run_jobs(config, target, methods, questions, out_dir)
@@ -127,13 +134,23 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
             params = SamplingParams(config.temperature, config.top_k, config.top_p, seed=_seed(config, q, turn, repeat))
             record = method.run(prompt, config.max_new_tokens, params)
             record.update(method=method.label, question_id=q.question_id, group=q.group, category=q.category,
-                          turn=turn, repeat=repeat, prompt_tokens=len(prompt))
+                          turn=turn, repeat=repeat, prompt_tokens=len(prompt), **_long_fields(target, q, record))
             answers[(method.label, q.question_id, turn, repeat)] = record["token_ids"]
             sink.write(json.dumps(record) + "\n")
             sink.flush()
             records.append(record)
             bar.update()
     return records
+
+
+def _long_fields(target, question: Question, record: dict) -> dict:
+    """The long suite's length label, and for a question with a reference answer (the needle) whether the output
+    holds it."""
+    extra = {"length": question.length} if question.length else {}
+    if question.reference:
+        text = target.tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+        extra.update(reference=question.reference, found_reference=question.reference in text)
+    return extra
 
 
 def _prompt_ids(target, question: Question, turn: int, own_answers: list[list[int]]) -> list[int]:
@@ -160,7 +177,7 @@ def _warm_up(target, methods: list[Method], config: BenchConfig) -> None:
 def _check_or_write_config(config: BenchConfig, out_dir: Path) -> None:
     path = out_dir / "config.json"
     if path.exists():
-        previous = json.loads(path.read_text())
+        previous = {**_defaults(), **json.loads(path.read_text())}  # folders written before a field existed
         previous.pop("command", None)
         if previous != config.comparable():
             raise SpecDecodeError(
@@ -169,6 +186,17 @@ def _check_or_write_config(config: BenchConfig, out_dir: Path) -> None:
             )
         return
     path.write_text(json.dumps(asdict(config), indent=1))
+
+
+def _defaults() -> dict:
+    """BenchConfig's fields that have defaults, with them."""
+    out = {}
+    for f in fields(BenchConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def _read_records(path: Path) -> list[dict]:
