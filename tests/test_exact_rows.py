@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specdecode import kernels
 from specdecode.cache import KVPool
-from specdecode.models.base import prefill, tree_request
+from specdecode.models.base import HiddenStates, prefill, tree_request
 from specdecode.models.loading import load_model
 from specdecode.models.native.linear import Linear, dequantize
 from specdecode.tree import Draft, ancestor_mask, with_root
@@ -78,6 +78,41 @@ def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
             v_cache[row : row + 1, :, visible].contiguous(), None, len(visible), 0.2,
         )
         assert torch.equal(alone[0, 0], out[row, i])
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (3, 1), (7, 1), (4, 4), (16, 1)])
+def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, hkv):
+    """At a long context the rows of a verification (or a prompt) share their keys, which the AVX-512 path reads once
+    per tile of rows: each row must still get what it gets alone, a one-row decode step over its visible keys, for
+    every head grouping (tiles of 24 / heads rows; 16 heads split into two calls), a causal prompt's rows and a
+    tree's rows (ancestors past a shared context), and rows whose visible keys have holes."""
+    torch.manual_seed(2)
+    b, q, d, context = 2, 13, 64, 2500
+    keys = context + q
+    queries = torch.randn(b, hq, q, d)
+    k_cache, v_cache = torch.randn(b, hkv, keys + 3, d).to(kv_dtype), torch.randn(b, hkv, keys + 3, d).to(kv_dtype)
+    parents = [-1, 0, 1, 1, 0, 4, 5, 2, 3, 3, 6, 9, 11]  # a tree over the q new rows (row 0 the root)
+    tree = ancestor_mask(torch.tensor(parents))  # [q, q]
+    mask = torch.ones(b, q, keys, dtype=torch.bool)
+    mask[0, :, context:] = tree  # batch row 0: a tree after the context
+    mask[1, :, context:] = torch.ones(q, q, dtype=torch.bool).tril()  # batch row 1: causal (a prompt's tail)
+    mask[1, 5, 100:900] = False  # a hole in the shared context
+    out = on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, 0.125)  # [B, q, Hq*D]
+    for row in range(b):
+        for i in range(q):
+            visible = mask[row, i].nonzero()[:, 0]
+            alone = on(isa).tree_attention(
+                queries[row : row + 1, :, i : i + 1].contiguous(), k_cache[row : row + 1, :, visible].contiguous(),
+                v_cache[row : row + 1, :, visible].contiguous(), None, len(visible), 0.125,
+            )
+            assert torch.equal(alone[0, 0], out[row, i]), f"batch row {row}, query row {i}"
+    expected = F.scaled_dot_product_attention(
+        queries, k_cache[:, :, :keys].float().repeat_interleave(hq // hkv, 1),
+        v_cache[:, :, :keys].float().repeat_interleave(hq // hkv, 1), attn_mask=mask[:, None], scale=0.125,
+    ).transpose(1, 2).reshape(b, q, hq * d)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -226,6 +261,26 @@ def test_a_prompt_forward_equals_one_row_forwards_bit_for_bit(quantized_smollm2)
     prefill(model, cache, prompt[:-1])
     together = tree_request(cache, prompt[-1], Draft.empty()).run(model)[0]  # the logits after the whole prompt
     assert torch.equal(together, one_row_logits(model, prompt[:1], prompt[1:]))
+
+
+@pytest.mark.real_model
+def test_a_prompt_in_chunks_leaves_what_one_forward_leaves(quantized_smollm2, monkeypatch):
+    """A long prompt is prefilled in forwards of PREFILL_CHUNK rows: the logits, the cache and the hidden states it
+    leaves are bit for bit those of one forward over the whole prompt (here chunks of 16 rows over 40)."""
+    from specdecode.models import base
+
+    model = quantized_smollm2
+    prompt = model.tokenizer("def fibonacci(n):\n    " + "a, b = b, a + b\n    " * 6)["input_ids"][:40]
+    results = []
+    for chunk in (len(prompt), 16):
+        monkeypatch.setattr(base, "PREFILL_CHUNK", chunk)
+        cache, hidden = model.new_cache(len(prompt)), HiddenStates((0, 3, model.n_layers))
+        logits = prefill(model, cache, prompt, hidden)
+        results.append((logits, cache.keys[:, :, :, : cache.length].clone(), hidden.states))
+    (whole, whole_keys, whole_states), (chunked, chunked_keys, chunked_states) = results
+    assert torch.equal(whole, chunked) and torch.equal(whole_keys, chunked_keys)
+    assert chunked_states.shape == (3, len(prompt), whole_states.shape[-1])
+    assert torch.equal(whole_states, chunked_states)
 
 
 @pytest.mark.real_model

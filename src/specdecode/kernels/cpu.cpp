@@ -24,10 +24,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -658,73 +660,184 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// A 16-lane sum in a fixed tree (lane i + lane i+8, then +4, +2, +1): the one every score and softmax total uses, so
+// that a score reduced alone (reduce16) and sixteen reduced at once (reduce16x16) are the same number.
+inline float reduce16(__m512 v) {
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  const __m128 eighth = _mm_add_ps(quarter, _mm_shuffle_ps(quarter, quarter, 0x4E));
+  return _mm_cvtss_f32(_mm_add_ss(eighth, _mm_shuffle_ps(eighth, eighth, 0xB1)));
+}
+
+// Sixteen vectors v[0..15] (16 floats each, one after another) -> lane k = reduce16(v[k]), with reduce16's pairs:
+// each level adds the same two lanes of each vector, only several vectors share one instruction.
+inline __m512 reduce16x16(const float* v) {
+  __m512 level1[8], level2[4], level3[2];
+  for (int p = 0; p < 8; ++p) {  // lanes i + i+8: [vector 2p | vector 2p+1], 8 lanes each
+    const __m512 a = _mm512_loadu_ps(v + 32 * p), b = _mm512_loadu_ps(v + 32 * p + 16);
+    level1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int p = 0; p < 4; ++p)  // lanes i + i+4: vectors 4p..4p+3, 4 lanes each
+    level2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(level1[2 * p], level1[2 * p + 1], 0x88),
+                              _mm512_shuffle_f32x4(level1[2 * p], level1[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // lanes i + i+2: per 128-bit block t, vectors 8p+t and 8p+4+t, 2 lanes each
+    level3[p] = _mm512_add_ps(_mm512_shuffle_ps(level2[2 * p], level2[2 * p + 1], 0x44),
+                              _mm512_shuffle_ps(level2[2 * p], level2[2 * p + 1], 0xEE));
+  // lanes i + i+1: lane 4t+u holds vector 4u+t; put vector k in lane k
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(level3[0], level3[1], 0x88),
+                                    _mm512_shuffle_ps(level3[0], level3[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// The G query heads that share one KV head (grouped-query attention), one query row, against that row's visible
-// keys; D a multiple of 16. Each key and value is loaded once for all G heads (independent accumulation chains: the
-// work is throughput-bound, not latency-bound). For each head the arithmetic is fixed: a score sums its 16 lanes
-// over D in order then reduces them; the softmax total sums the scores in 16-lane blocks by visible index; each
-// output lane sums p * value over the visible keys in order.
-template <int G, typename T>
-void attend_group_avx512(const float* query, int64_t query_stride, const T* keys, const T* values,
-                         int64_t key_stride, int64_t value_stride, const std::vector<int64_t>& visible, int64_t d,
-                         float scale, float* out, std::vector<float>& scores) {
-  const int64_t n = static_cast<int64_t>(visible.size());
-  const int64_t padded = (n + 15) / 16 * 16, chunks = d / 16;
-  scores.assign(G * padded, -std::numeric_limits<float>::infinity());  // [G, padded]
-  float best[G];
-  for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* key = keys + visible[j] * key_stride;
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 k = load16(key + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * query_stride + 16 * c), k, acc[g]);
+// Keys a run of scores reads: `count` of them, key `first + j` (a contiguous run) or key `list[j]`.
+struct KeyRun {
+  const int64_t* list;
+  int64_t first, count;
+  int64_t key(int64_t j) const { return list ? list[j] : first + j; }
+};
+
+// Scores of M query vectors (queries [M, D] contiguous) against a run of keys: score (m, j) = reduce16(the 16-lane
+// sums of q * k over D in order) * scale, written to scores[m * stride + j], its maximum folded into best[m]. Each
+// key is loaded once for all M vectors; the 16 lane sums of 16 keys are reduced at once (reduce16x16).
+template <int M, typename T>
+void score_run(const float* queries, int64_t d, const T* keys, int64_t key_stride, KeyRun run, float scale,
+               float* scores, int64_t stride, __m512* best) {
+  alignas(64) float sums[M][16][16];
+  const int64_t chunks = d / 16;
+  for (int64_t j0 = 0; j0 < run.count; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, run.count - j0));
+    for (int jj = 0; jj < n; ++jj) {
+      const T* key = keys + run.key(j0 + jj) * key_stride;
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 k = load16(key + 16 * c);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(queries + m * d + 16 * c), k, acc[m]);
+      }
+      for (int m = 0; m < M; ++m) _mm512_store_ps(sums[m][jj], acc[m]);
     }
-    for (int g = 0; g < G; ++g) {
-      const float s = _mm512_reduce_add_ps(acc[g]) * scale;
-      scores[g * padded + j] = s;
-      best[g] = std::max(best[g], s);
+    const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    for (int m = 0; m < M; ++m) {
+      const __m512 s = _mm512_mul_ps(reduce16x16(&sums[m][0][0]), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + m * stride + j0, live, s);
+      best[m] = _mm512_mask_max_ps(best[m], live, best[m], s);
     }
   }
-  float inverse[G];
-  for (int g = 0; g < G; ++g) {
-    float* row = scores.data() + g * padded;
-    __m512 total = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(best[g]);
-    for (int64_t j = 0; j < padded; j += 16) {
-      const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift)));
-      _mm512_storeu_ps(row + j, p);
-      total = _mm512_add_ps(total, p);
-    }
-    inverse[g] = 1.f / _mm512_reduce_add_ps(total);
+}
+
+// Scores -> unnormalized probabilities exp(s - max) in place, lanes past n zeroed; returns 1 / their total (summed
+// in 16-lane blocks by visible index, then reduce16).
+inline float softmax_row(float* row, int64_t n, float best) {
+  const int64_t padded = (n + 15) / 16 * 16;
+  __m512 total = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(best);
+  for (int64_t j = 0; j < padded; j += 16) {
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift)));
+    _mm512_storeu_ps(row + j, p);
+    total = _mm512_add_ps(total, p);
   }
-  constexpr int SPAN = G >= 24 ? 1 : 24 / G;  // D chunks per pass: G * SPAN accumulators stay in registers
+  return 1.f / reduce16(total);
+}
+
+// acc[m] (M running sums [D] each, in memory between runs) += p(m, j) * value(j) over a run of values in order,
+// p(m, j) = probs[m * stride + j].
+template <int M, typename T>
+void weigh_run(const float* probs, int64_t stride, const T* values, int64_t value_stride, KeyRun run, int64_t d,
+               float* acc_out) {
+  constexpr int SPAN = M >= 24 ? 1 : 24 / M;  // D chunks per pass: M * SPAN accumulators stay in registers
+  const int64_t chunks = d / 16;
   for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
     const int span = static_cast<int>(std::min<int64_t>(SPAN, chunks - c0));
-    __m512 acc[G][SPAN];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < SPAN; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* value = values + visible[j] * value_stride + 16 * c0;
-      __m512 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * padded + j]);
+    __m512 acc[M][SPAN];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < SPAN; ++c)
+        if (c < span) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
+    for (int64_t j = 0; j < run.count; ++j) {
+      const T* value = values + run.key(j) * value_stride + 16 * c0;
       for (int c = 0; c < SPAN; ++c) {
         if (c >= span) break;
         const __m512 v = load16(value + 16 * c);
-        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+        for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[m * stride + j]), v, acc[m][c]);
       }
     }
-    for (int g = 0; g < G; ++g) {
-      const __m512 inv = _mm512_set1_ps(inverse[g]);
-      for (int c = 0; c < span; ++c) _mm512_storeu_ps(out + g * d + 16 * (c0 + c), _mm512_mul_ps(acc[g][c], inv));
-    }
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < span; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
+  }
+}
+
+
+constexpr int TILE_VECTORS = 24;  // query vectors (rows x heads) scored together: their sums stay in registers
+
+template <typename T>
+using ScoreFn = void (*)(const float*, int64_t, const T*, int64_t, KeyRun, float, float*, int64_t, __m512*);
+template <typename T>
+using WeighFn = void (*)(const float*, int64_t, const T*, int64_t, KeyRun, int64_t, float*);
+
+template <typename T, size_t... I>
+ScoreFn<T> score_fn(int m, std::index_sequence<I...>) {
+  static const ScoreFn<T> table[] = {score_run<int(I) + 1, T>...};
+  return table[m - 1];
+}
+template <typename T, size_t... I>
+WeighFn<T> weigh_fn(int m, std::index_sequence<I...>) {
+  static const WeighFn<T> table[] = {weigh_run<int(I) + 1, T>...};
+  return table[m - 1];
+}
+
+// Which keys each row of a tile sees: `shared` = keys [0, shared) that every row sees (read once for all rows),
+// then each row's own further keys in order (tails[r]).
+struct TileKeys {
+  int64_t shared = 0;
+  std::vector<std::vector<int64_t>> tails;
+};
+
+// Attention of a tile: `rows` query rows x `heads` query heads of one KV head; queries [rows * heads, D] contiguous
+// (vector m = row m / heads, head m % heads); out[r] points at row r's first head's output. Every (row, head) gets
+// exactly the arithmetic it gets alone: the same scores, maximum, softmax total and value sums, in the same order
+// (shared keys, then its tail); only the loads are shared.
+template <typename T>
+void attend_tile_avx512(const float* queries, int rows, int heads, const T* keys, const T* values,
+                        int64_t key_stride, int64_t value_stride, const TileKeys& tile, int64_t d, float scale,
+                        float* const* out, std::vector<float>& scores, std::vector<float>& sums) {
+  const int m_all = rows * heads;
+  int64_t longest = 0;
+  for (int r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, tile.tails[r].size());
+  const int64_t stride = (tile.shared + longest + 15) / 16 * 16;
+  scores.assign(m_all * stride, -std::numeric_limits<float>::infinity());  // [M, stride]
+  sums.assign(m_all * d, 0.f);  // [M, D]
+  __m512 best[TILE_VECTORS];
+  for (int m = 0; m < m_all; ++m) best[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const auto all = std::make_index_sequence<TILE_VECTORS>();
+  const KeyRun shared{nullptr, 0, tile.shared};
+  score_fn<T>(m_all, all)(queries, d, keys, key_stride, shared, scale, scores.data(), stride, best);
+  for (int r = 0; r < rows; ++r) {
+    const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
+    if (tail.count)
+      score_fn<T>(heads, all)(queries + r * heads * d, d, keys, key_stride, tail, scale,
+                              scores.data() + r * heads * stride + tile.shared, stride, best + r * heads);
+  }
+  float inverse[TILE_VECTORS];
+  for (int m = 0; m < m_all; ++m)
+    inverse[m] = softmax_row(scores.data() + m * stride, tile.shared + tile.tails[m / heads].size(),
+                             _mm512_reduce_max_ps(best[m]));
+  weigh_fn<T>(m_all, all)(scores.data(), stride, values, value_stride, shared, d, sums.data());
+  for (int r = 0; r < rows; ++r) {
+    const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
+    if (tail.count)
+      weigh_fn<T>(heads, all)(scores.data() + r * heads * stride + tile.shared, stride, values, value_stride, tail,
+                              d, sums.data() + r * heads * d);
+  }
+  for (int m = 0; m < m_all; ++m) {
+    const __m512 inv = _mm512_set1_ps(inverse[m]);
+    float* o = out[m / heads] + (m % heads) * d;
+    for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + m * d + c), inv));
   }
 }
 
@@ -861,19 +974,94 @@ using GroupFn = void (*)(const float*, int64_t, const T*, const T*, int64_t, int
                          int64_t, float, float*, std::vector<float>&);
 
 template <typename T>
-GroupFn<T> group_avx512(int heads) {
-  static const GroupFn<T> table[] = {nullptr, attend_group_avx512<1, T>, attend_group_avx512<2, T>,
-                                     attend_group_avx512<3, T>, attend_group_avx512<4, T>, attend_group_avx512<5, T>,
-                                     attend_group_avx512<6, T>, attend_group_avx512<7, T>, attend_group_avx512<8, T>};
-  return table[heads];
-}
-
-template <typename T>
 GroupFn<T> group_avx2(int heads) {
   static const GroupFn<T> table[] = {nullptr, attend_group_avx2<1, T>, attend_group_avx2<2, T>,
                                      attend_group_avx2<3, T>, attend_group_avx2<4, T>, attend_group_avx2<5, T>,
                                      attend_group_avx2<6, T>, attend_group_avx2<7, T>, attend_group_avx2<8, T>};
   return table[heads];
+}
+
+// Which keys a query row sees: [0, prefix) (the returned prefix), then `extra` in order; all n_keys without a mask.
+int64_t row_visibility(const bool* row, int64_t n_keys, std::vector<int64_t>& extra) {
+  extra.clear();
+  if (row == nullptr) return n_keys;
+  const void* hole = std::memchr(row, 0, n_keys);
+  const int64_t prefix = hole ? static_cast<const bool*>(hole) - row : n_keys;
+  for (int64_t j = prefix + 1; j < n_keys; ++j) {
+    const void* next = std::memchr(row + j, 1, n_keys - j);
+    if (next == nullptr) break;
+    j = static_cast<const bool*>(next) - row;
+    extra.push_back(j);
+  }
+  return prefix;
+}
+
+// AVX-512 attention in tiles: up to TILE_VECTORS / heads consecutive query rows of one KV head at a time, so that the
+// keys they all see (a verification's context, a prompt's earlier tokens) are loaded once for the whole tile.
+template <typename T>
+void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+                     const torch::Tensor& mask, int64_t n_keys, double scale, torch::Tensor& out) {
+  const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
+  const int64_t hkv = keys.size(1), group = hq / hkv;
+  const bool masked = mask.defined() && mask.numel() > 0;
+  const bool* mask_data = masked ? mask.data_ptr<bool>() : nullptr;
+  const int64_t mask_keys = masked ? mask.size(2) : 0;
+  const float* query_data = queries.data_ptr<float>();
+  const T* key_data = keys.data_ptr<T>();
+  const T* value_data = values.data_ptr<T>();
+  float* out_data = out.data_ptr<float>();
+  const auto qs = queries.strides(), ks = keys.strides(), vs = values.strides();
+  // Fewer tiles than threads (one new token, one or two KV heads): split each KV head's query heads across threads.
+  // A head's arithmetic does not depend on which heads share its tile, so no bit changes.
+  const int64_t threads = at::get_num_threads();
+  const int64_t widest = std::max<int64_t>(1, TILE_VECTORS / std::min<int64_t>(group, MAX_GROUP));
+  const int64_t items = batch * hkv * ((q + widest - 1) / widest);
+  const int64_t split = items >= threads ? 1 : std::min<int64_t>(group, (threads + items - 1) / items);
+  const int64_t span = (group + split - 1) / split, parts = (group + span - 1) / span;  // query heads per part
+  const int64_t rows = std::min<int64_t>(q, std::max<int64_t>(1, TILE_VECTORS / std::min<int64_t>(span, MAX_GROUP)));
+  const int64_t tiles = (q + rows - 1) / rows;
+  at::parallel_for(0, batch * hkv * parts * tiles, 1, [&](int64_t begin, int64_t end) {
+    TileKeys tile;
+    std::vector<int64_t> prefixes;
+    std::vector<float> query_buf, scores, sums;
+    std::vector<float*> outs;
+    for (int64_t work = begin; work < end; ++work) {
+      // tiles cost more the later their rows (causal prompts): alternate cheap and dear ones so that each thread's
+      // contiguous range of work gets a fair share
+      const int64_t w = work % tiles, t = w % 2 == 0 ? w / 2 : tiles - 1 - w / 2;
+      const int64_t part = (work / tiles) % parts, h = (work / (tiles * parts)) % hkv, b = work / (tiles * parts * hkv);
+      const int64_t i0 = t * rows, n_rows = std::min(rows, q - i0);
+      tile.tails.resize(n_rows);
+      prefixes.resize(n_rows);
+      for (int64_t r = 0; r < n_rows; ++r)
+        prefixes[r] = row_visibility(masked ? mask_data + (b * q + i0 + r) * mask_keys : nullptr, n_keys,
+                                     tile.tails[r]);
+      tile.shared = *std::min_element(prefixes.begin(), prefixes.end());
+      for (int64_t r = 0; r < n_rows; ++r) {  // tail: [shared, prefix), then the extra keys
+        std::vector<int64_t>& tail = tile.tails[r];
+        const int64_t own = prefixes[r] - tile.shared;
+        tail.insert(tail.begin(), own, 0);
+        for (int64_t j = 0; j < own; ++j) tail[j] = tile.shared + j;
+      }
+      const T* head_keys = key_data + b * ks[0] + h * ks[1];
+      const T* head_values = value_data + b * vs[0] + h * vs[1];
+      const int64_t last = std::min(group, (part + 1) * span);
+      for (int64_t g0 = part * span; g0 < last; g0 += MAX_GROUP) {
+        const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, last - g0));
+        const int64_t head = h * group + g0;
+        query_buf.resize(n_rows * heads * d);
+        outs.resize(n_rows);
+        for (int64_t r = 0; r < n_rows; ++r) {
+          for (int g = 0; g < heads; ++g)
+            std::memcpy(query_buf.data() + (r * heads + g) * d,
+                        query_data + b * qs[0] + (head + g) * qs[1] + (i0 + r) * qs[2], d * sizeof(float));
+          outs[r] = out_data + ((b * q + i0 + r) * hq + head) * d;
+        }
+        attend_tile_avx512<T>(query_buf.data(), static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2],
+                              tile, d, float(scale), outs.data(), scores, sums);
+      }
+    }
+  });
 }
 
 template <typename T>
@@ -889,6 +1077,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
   float* out_data = out.data_ptr<float>();
   const auto qs = queries.strides(), ks = keys.strides(), vs = values.strides();
   const int64_t mask_keys = masked ? mask.size(2) : 0;
+  if (isa >= AVX512 && d % 16 == 0) return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, out);
   // Fewer (row, kv head) items than threads (one new token, one or two kv heads): split each item's query heads
   // across threads. A head's arithmetic does not depend on which heads share its call, so no bit changes.
   const int64_t items = batch * q * hkv, threads = at::get_num_threads();
@@ -916,10 +1105,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
         const int64_t head = h * group + g0;
         const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
         float* o = out_data + ((b * q + i) * hq + head) * d;
-        if (isa >= AVX512 && d % 16 == 0)
-          group_avx512<T>(heads)(query, qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o,
-                                 scores);
-        else if (isa >= AVX2 && d % 8 == 0)
+        if (isa >= AVX2 && d % 8 == 0)
           group_avx2<T>(heads)(query, qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o,
                                scores);
         else

@@ -169,18 +169,33 @@ def needs_native_backend(model: CausalLM) -> OptionError:
     )
 
 
+PREFILL_CHUNK = 512  # prompt rows per forward: bounds the activations a long prompt holds at once
+
+
 def prefill(
     model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor, hidden: HiddenStates | None = None
 ) -> torch.Tensor:
     """Append committed tokens to the cache; return the [V] logits after the last one (and fill `hidden`, if
-    given, with every token's states)."""
+    given, with every token's states).
+
+    A long prompt runs in forwards of PREFILL_CHUNK rows, each attending to the cache the earlier ones wrote: the
+    activations of an 8k-token prompt's MLP would otherwise take gigabytes, fresh pages on every layer. Rows do not
+    depend on the rows beside them, so the chunking changes no number of a row-exact model."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)  # [q]
     assert cache.pending == 0, "prefill needs a cache without uncommitted entries"
-    q = ids.shape[0]
-    positions = torch.arange(cache.length, cache.length + q)
-    causal = torch.ones(q, q, dtype=torch.bool).tril()
-    logits = model.forward(cache, ids, positions, causal, last_only=True, hidden=hidden)  # [1, V]
-    cache.commit_all()
+    states = []  # each chunk's [K, rows, H] hidden states, where asked
+    for start in range(0, ids.shape[0], PREFILL_CHUNK):
+        chunk = ids[start : start + PREFILL_CHUNK]  # [c]
+        c = chunk.shape[0]
+        positions = torch.arange(cache.length, cache.length + c)
+        causal = torch.ones(c, c, dtype=torch.bool).tril()
+        asked = None if hidden is None else HiddenStates(hidden.layers)
+        logits = model.forward(cache, chunk, positions, causal, last_only=True, hidden=asked)  # [1, V]
+        cache.commit_all()
+        if asked is not None:
+            states.append(asked.states)
+    if hidden is not None:
+        hidden.states = states[0] if len(states) == 1 else torch.cat(states, dim=1)
     return logits[0]
 
 

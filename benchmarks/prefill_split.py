@@ -1,0 +1,100 @@
+"""Where a long prompt's forward spends its time: the linear layers (norm + matmul + bias + residual, one native call
+each), attention (q/k norms, rotary, cache write and attention over the visible keys, one native call per layer),
+and the rest (embedding, LM head of the last row, Python), for prompts of each length; and the multiply-add rate of
+each part, against which `benchmarks/roofline.py` gives this CPU's peaks.
+
+    python benchmarks/prefill_split.py --model qwen2.5-coder-1.5b-instruct --quant int4 --lengths 2048 8192 16384
+
+Multiply-adds counted: linear layers 2 * params-per-row (one MAC each) per row, attention Hq * D * 2 per visible key
+per row (scores and the weighted sum of values), causal. One prefill per length (a prompt's forward is long enough
+to time once); `--kv-cache` picks the cache format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from specdecode.models.base import prefill
+from specdecode.models.loading import load_model
+from specdecode.tune.machine import capability, context_ids
+
+
+class Timed:
+    """The model's kernels with the time of every fused_linear and attention_step call added up."""
+
+    def __init__(self, kernels):
+        self.kernels, self.seconds = kernels, {"linear": 0.0, "attention": 0.0}
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+    def _timed(self, part, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.seconds[part] += time.perf_counter() - start
+        return out
+
+    def fused_linear(self, *args, **kwargs):
+        return self._timed("linear", lambda: self.kernels.fused_linear(*args, **kwargs))
+
+    def attention_step(self, *args, **kwargs):
+        return self._timed("attention", lambda: self.kernels.attention_step(*args, **kwargs))
+
+
+def linear_macs_per_row(model) -> int:
+    """Multiply-adds of one row through every decoder layer's linear layers (the LM head runs for the last row)."""
+    d, heads = model.embedding.shape[1], model.heads
+    per_layer = sum(layer.out_features * layer.in_features for layer in (
+        model.blocks[0].qkv, model.blocks[0].out, model.blocks[0].gate_up, model.blocks[0].down))
+    assert per_layer > d * heads.dim  # sanity: a Linear exposes its shape
+    return per_layer * model.n_layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--quant", default="int4")
+    parser.add_argument("--kv-cache", default=None, help="KV cache format (default: the model's)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--json", type=str, help="append one JSON line per length to this file")
+    args = parser.parse_args()
+    extra = {} if args.kv_cache is None else {"kv_cache": args.kv_cache}
+    model = load_model(args.model, quant=args.quant, **extra)
+    timed = Timed(model.ops.kernels)
+    model.ops.kernels = timed
+    cpu = capability()
+    print(f"{args.model} ({args.quant}) on {cpu['model']}, {cpu['threads']} threads, {' '.join(cpu['flags'])}; "
+          f"kernels {timed.kernels.isa}")
+    heads = model.heads
+    for n in args.lengths:
+        cache = model.new_cache(n + 1)
+        for part in timed.seconds:
+            timed.seconds[part] = 0.0
+        start = time.perf_counter()
+        prefill(model, cache, context_ids(model.vocab_size, n))
+        total = time.perf_counter() - start
+        linear, attention = timed.seconds["linear"], timed.seconds["attention"]
+        linear_macs = linear_macs_per_row(model) * n
+        attention_macs = model.n_layers * heads.queries * heads.dim * 2 * n * (n + 1) // 2
+        record = {
+            "tokens": n, "seconds": round(total, 2), "tokens_per_s": round(n / total, 1),
+            "linear_s": round(linear, 2), "attention_s": round(attention, 2),
+            "other_s": round(total - linear - attention, 2),
+            "linear_gmacs_per_s": round(linear_macs / linear / 1e9, 1),
+            "attention_gmacs_per_s": round(attention_macs / attention / 1e9, 1),
+            "isa": timed.kernels.isa, "kv_cache": args.kv_cache or "default",
+        }
+        print(json.dumps(record))
+        if args.json:
+            with open(args.json, "a") as out:
+                out.write(json.dumps(record) + "\n")
+        del cache
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+if __name__ == "__main__":
+    main()
