@@ -715,11 +715,14 @@ void score_run(const float* queries, int64_t d, const T* keys, int64_t key_strid
     for (int jj = 0; jj < n; ++jj) {
       const T* key = keys + run.key(j0 + jj) * key_stride;
       __m512 acc[M];
+#pragma GCC unroll 24
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512 k = load16(key + 16 * c);
+#pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(queries + m * d + 16 * c), k, acc[m]);
       }
+#pragma GCC unroll 24
       for (int m = 0; m < M; ++m) _mm512_store_ps(sums[m][jj], acc[m]);
     }
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
@@ -756,14 +759,18 @@ void weigh_run(const float* probs, int64_t stride, const T* values, int64_t valu
   for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
     const int span = static_cast<int>(std::min<int64_t>(SPAN, chunks - c0));
     __m512 acc[M][SPAN];
+#pragma GCC unroll 24
     for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
       for (int c = 0; c < SPAN; ++c)
         if (c < span) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
     for (int64_t j = 0; j < run.count; ++j) {
       const T* value = values + run.key(j) * value_stride + 16 * c0;
+#pragma GCC unroll 24
       for (int c = 0; c < SPAN; ++c) {
         if (c >= span) break;
         const __m512 v = load16(value + 16 * c);
+#pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
         for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[m * stride + j]), v, acc[m][c]);
       }
     }
