@@ -16,8 +16,7 @@ import argparse
 import json
 import time
 
-import torch
-
+from specdecode.allocator import keep_freed_memory
 from specdecode.models.base import prefill
 from specdecode.models.loading import load_model
 from specdecode.tune.machine import capability, context_ids
@@ -62,6 +61,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--json", type=str, help="append one JSON line per length to this file")
     args = parser.parse_args()
+    keep_freed_memory()  # as the command line does
     extra = {} if args.kv_cache is None else {"kv_cache": args.kv_cache}
     model = load_model(args.model, quant=args.quant, **extra)
     timed = Timed(model.ops.kernels)
@@ -93,7 +93,6 @@ def main() -> None:
             with open(args.json, "a") as out:
                 out.write(json.dumps(record) + "\n")
         del cache
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 if __name__ == "__main__":

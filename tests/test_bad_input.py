@@ -199,3 +199,10 @@ def test_generate_repeats_is_checked_before_loading(capsys, extra, message):
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("context,needle", [("0", "at least one token"), ("9000", "holds 8192 tokens")])
+def test_cost_refuses_a_context_the_model_cannot_hold(capsys, smollm2, context, needle):
+    line = run_cli(capsys, "cost", "--model", "smollm2-135m-instruct", "--quant", "int4", "--context", context)
+    assert needle in line and "--context" in line

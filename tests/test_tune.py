@@ -16,7 +16,7 @@ from specdecode.tune.cost import Measured, choose, speedup, verify_seconds
 from specdecode.tune.measure import run_tune
 from specdecode.tune.profile import profile_path, save_profile, tuned_drafter
 
-from conftest import perturbed_copy, tiny_model
+from conftest import native_twin, perturbed_copy, tiny_model
 
 CPU_LIKE = {1: 0.10, 2: 0.11, 4: 0.13, 8: 0.20, 16: 0.40, 32: 0.80}  # verify cost grows with the tree
 GPU_LIKE = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.10, 16: 0.11, 32: 0.12}  # nearly flat
@@ -214,3 +214,16 @@ def test_every_tune_grid_entry_is_a_valid_option_set():
     for name, cls in DRAFTERS.items():
         for options in cls.tune_grid:
             check_options(name, dict(options))  # raises SpecDecodeError naming the option
+
+
+def test_cost_is_measured_after_the_context_asked_and_cached_apart():
+    """`specdecode cost --context N`: the curve of forwards after N cached tokens, reported with its context and
+    cached apart from the default 300-token curve (a long context steepens it: every row pays attention over every
+    cached key)."""
+    from specdecode.tune import machine
+
+    target = native_twin(tiny_model("llama", seed=1), "int4")
+    report = machine.measure(target, repeats=1, context=40)
+    assert report["context"] == 40 and [point["rows"] for point in report["curve"]] == list(machine.ROWS)
+    assert machine.curve_path(target, 40) != machine.curve_path(target)
+    assert machine.curve_path(target, machine.CONTEXT) == machine.curve_path(target)

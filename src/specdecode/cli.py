@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_weights_args(cost)
     cost.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached curve")
     cost.add_argument("--json", action="store_true", help="print one JSON object")
+    cost.add_argument("--context", type=int, default=None,
+                      help="tokens already in the cache before the measured forwards (default 300)")
     cost.set_defaults(run=cmd_cost)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -451,10 +453,17 @@ def _runs_here(name: str, target, draft_model) -> bool:
 
 def cmd_cost(args) -> int:
     from .models.loading import load_model
-    from .tune.machine import cost_report, curve_path
+    from .tune.machine import CONTEXT, ROWS, cost_report, curve_path
 
+    context = CONTEXT if args.context is None else args.context
+    if context < 1:
+        raise SpecDecodeError(f"--context {context}: the context must hold at least one token.", "Give --context 1 or more.")
     target = load_model(args.model, args.dtype, args.backend, args.quant)
-    report = cost_report(target, refresh=args.refresh)
+    if context + max(ROWS) > target.max_context:
+        raise SpecDecodeError(
+            f"--context {context}: {target.name} holds {target.max_context} tokens, and the curve adds up to "
+            f"{max(ROWS)} rows after the context.", f"Give --context {target.max_context - max(ROWS)} or less.")
+    report = cost_report(target, refresh=args.refresh, context=context)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -468,7 +477,7 @@ def cmd_cost(args) -> int:
     print("| rows | ms | x one row |\n|---:|---:|---:|")
     for point in report["curve"]:
         print(f"| {point['rows']} | {point['ms']:.1f} | {point['ratio']:.2f} |")
-    print(f"cached in {curve_path(target)} (--refresh measures again)")
+    print(f"cached in {curve_path(target, context)} (--refresh measures again)")
     return 0
 
 

@@ -178,22 +178,7 @@ def _build(isa: str) -> Kernels | None:
         return None
     if isa == "avx512-amx" and not module.amx_built():  # a compiler without AMX's intrinsics built it
         isa = "avx512-vnni"
-    _reuse_freed_memory()
     return Kernels(module, isa)
-
-
-def _reuse_freed_memory() -> None:
-    """Keep large freed blocks in the heap for reuse (glibc): by default every block over 32 MiB is mapped fresh
-    from the OS and unmapped when freed, so each large activation of a prompt's forward starts on new pages, and on
-    a VM their faults cost as much as the kernels' work on them (a prompt chunk's MLP output is tens of MiB)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    import ctypes
-
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc = ctypes.CDLL(None)
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 @lru_cache(maxsize=1)

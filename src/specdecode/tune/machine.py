@@ -63,12 +63,15 @@ def kernels_in_use(target) -> dict:
     }
 
 
-def curve_path(target) -> Path:
+def curve_path(target, context: int = CONTEXT) -> Path:
+    """Where the curve after `context` tokens is cached for this machine, kernel build and target."""
     cpu = capability()
     # a new build of the kernels is measured anew: its speed is what the curve is about
     machine = f"{cpu['model']}:{','.join(cpu['flags'])}:{cpu['threads']}:{cpu['isa']}:{kernels.build_id()}"
     digest = hashlib.sha256(machine.encode()).hexdigest()[:12]
     key = f"{target.name}-{str(target.dtype).removeprefix('torch.')}-{target.quant}-{type(target).__name__}-{digest}"
+    if context != CONTEXT:
+        key += f"-context{context}"
     return cache_root() / "cost" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")
 
 
@@ -77,8 +80,9 @@ def context_ids(vocab_size: int, length: int = CONTEXT) -> list[int]:
     return [(7919 * i + 13) % vocab_size for i in range(length)]
 
 
-def measure(target, repeats: int = 5) -> dict:
-    """The report `specdecode cost` prints: cpu, kernels, and the curve [{rows, ms, ratio}, ...].
+def measure(target, repeats: int = 5, context: int = CONTEXT) -> dict:
+    """The report `specdecode cost` prints: cpu, kernels, and the curve [{rows, ms, ratio}, ...] of forwards after
+    `context` tokens (at long contexts attention, which every row pays over every cached key, steepens it).
 
     The first run on a machine measures right after converting and caching gigabytes of weights: pending writes are
     flushed first, so that writing them back does not compete with the forwards, and each size keeps its fastest of
@@ -89,18 +93,19 @@ def measure(target, repeats: int = 5) -> dict:
     if hasattr(os, "sync"):
         os.sync()
     with tqdm(total=len(ROWS) * repeats, desc="forward cost", unit="forward") as bar:
-        seconds = verify_curve(target, context_ids(target.vocab_size), 0, repeats, bar, sizes=list(ROWS))
+        seconds = verify_curve(target, context_ids(target.vocab_size, context), 0, repeats, bar, sizes=list(ROWS))
     one = seconds[1]
     curve = [{"rows": q, "ms": round(s * 1e3, 3), "ratio": round(s / one, 3)} for q, s in sorted(seconds.items())]
-    return {"cpu": capability(), "kernels": kernels_in_use(target), "context": CONTEXT, "curve": curve}
+    return {"cpu": capability(), "kernels": kernels_in_use(target), "context": context, "curve": curve}
 
 
 _reports: dict[Path, dict] = {}  # curve file -> its report, read once per process (drafters are built per request)
 
 
-def cost_report(target, refresh: bool = False) -> dict:
-    """The cached report for this machine and target, measured (and cached) when missing or `refresh`."""
-    path = curve_path(target)
+def cost_report(target, refresh: bool = False, context: int = CONTEXT) -> dict:
+    """The cached report for this machine and target after `context` tokens, measured (and cached) when missing or
+    `refresh`."""
+    path = curve_path(target, context)
     if path in _reports and not refresh:
         return _reports[path]
     report = None
@@ -110,7 +115,7 @@ def cost_report(target, refresh: bool = False) -> dict:
         except (OSError, json.JSONDecodeError):
             pass
     if report is None:
-        report = measure(target)
+        report = measure(target, context=context)
         write_text_atomic(path, json.dumps(report, indent=1))
     _reports[path] = report
     return report
