@@ -695,6 +695,8 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+constexpr int KEYS_AHEAD = 16;  // keys (values) prefetched ahead of a long run: the cache streams from memory
+
 // Keys a run of scores reads: `count` of them, key `first + j` (a contiguous run) or key `list[j]`.
 struct KeyRun {
   const int64_t* list;
@@ -714,6 +716,9 @@ void score_run(const float* queries, int64_t d, const T* keys, int64_t key_strid
     const int n = static_cast<int>(std::min<int64_t>(16, run.count - j0));
     for (int jj = 0; jj < n; ++jj) {
       const T* key = keys + run.key(j0 + jj) * key_stride;
+      if (run.list == nullptr)  // a long run streams from memory: ask for the key KEYS_AHEAD on
+        for (int64_t line = 0; line < d * int64_t(sizeof(T)); line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(key + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
       __m512 acc[M];
 #pragma GCC unroll 24
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -766,6 +771,9 @@ void weigh_run(const float* probs, int64_t stride, const T* values, int64_t valu
         if (c < span) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
     for (int64_t j = 0; j < run.count; ++j) {
       const T* value = values + run.key(j) * value_stride + 16 * c0;
+      if (run.list == nullptr)
+        for (int64_t line = 0; line < 16 * span * int64_t(sizeof(T)); line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride) + line, _MM_HINT_T0);
 #pragma GCC unroll 24
       for (int c = 0; c < SPAN; ++c) {
         if (c >= span) break;
