@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .cache.prefix import PrefixCache
 from .drafters import DRAFTERS, Drafter
 from .engine import Stats, decode, generate
 from .governor import Governor
@@ -32,8 +33,16 @@ class Result:
         return {"text": self.text, "token_ids": self.token_ids, **self.stats.as_dict()}
 
 
+DEFAULT_PREFIX_CACHE_MB = 1024
+
+
 class SpecDecoder:
-    """SpecDecoder("qwen2.5-coder-1.5b-instruct", drafter="draft", draft_model="qwen2.5-coder-0.5b-instruct")."""
+    """SpecDecoder("qwen2.5-coder-1.5b-instruct", drafter="draft", draft_model="qwen2.5-coder-0.5b-instruct").
+
+    Generations share a prefix cache (cache/prefix.py) of up to prefix_cache_mb megabytes: a prompt that begins
+    with an earlier prompt and its answer (the next turn of a chat) or with an earlier prompt's first tokens (a
+    shared document or system prompt) prefills only what is new. The output does not change (bit for bit with
+    int4/int8 weights); the cached entries are the target's only (drafters read the prompt as before)."""
 
     def __init__(
         self,
@@ -45,6 +54,7 @@ class SpecDecoder:
         quant: str = "none",
         draft_quant: str | None = None,  # the draft model's weights (default: quant); the output does not depend on it
         governor: bool = True,  # run plain steps where speculation does not pay (see governor.py)
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,  # earlier requests' KV kept for reuse (0: none)
         **drafter_options,
     ):
         self.target = load_model(model, dtype, backend, quant)
@@ -57,6 +67,7 @@ class SpecDecoder:
         self.last_governor: Governor | None = None
         self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
 
     def new_drafter(self):
         """A drafter with its own per-request state (models are shared), for concurrent requests; without options,
@@ -69,6 +80,8 @@ class SpecDecoder:
         same prompt without the drafter having memorised its answer."""
         self.drafter = self.new_drafter()
         self.last_governor = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def governor(self) -> Governor | None:
         """The governor of the next generation (none for plain decoding, or when turned off), carrying what the
@@ -96,7 +109,9 @@ class SpecDecoder:
         ids = self.encode(prompt, chat)
         text = TextAssembler(self.tokenizer)
         params = SamplingParams(**sampling)
-        for step in decode(self.target, self.drafter, ids, max_new_tokens, params, stats, governor=self.governor()):
+        steps = decode(self.target, self.drafter, ids, max_new_tokens, params, stats, governor=self.governor(),
+                       prefix_cache=self.prefix_cache)
+        for step in steps:
             yield Chunk(text.add(step), step)
         rest = text.flush()
         if rest:
@@ -105,7 +120,8 @@ class SpecDecoder:
     def generate(self, prompt, max_new_tokens: int = 128, chat: bool = False, **sampling) -> Result:
         ids = self.encode(prompt, chat)
         params = SamplingParams(**sampling)
-        tokens, stats = generate(self.target, self.drafter, ids, max_new_tokens, params, governor=self.governor())
+        tokens, stats = generate(self.target, self.drafter, ids, max_new_tokens, params, governor=self.governor(),
+                                 prefix_cache=self.prefix_cache)
         return Result(self.decode_text(tokens), tokens, stats)  # no per-step detokenizing inside the timing
 
     def decode_text(self, tokens: list[int]) -> str:

@@ -22,6 +22,8 @@ def _turns():
 
 
 def chat_local(decoder, max_new_tokens: int, sampling: dict) -> int:
+    """Each turn sends the whole conversation; the decoder's prefix cache holds the previous turns' KV, so a turn
+    prefills only its new message (and the template's tokens around the last answer)."""
     messages: list[dict] = []
     for line in _turns():
         messages.append({"role": "user", "content": line})
@@ -30,7 +32,8 @@ def chat_local(decoder, max_new_tokens: int, sampling: dict) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             pieces.append(chunk.text)
-        print(f"\n[{stats.tokens_per_second:.1f} tokens/s, tau {stats.tau:.2f}]", file=sys.stderr)
+        reused = f", {stats.reused_prompt_tokens} prompt tokens reused" if stats.reused_prompt_tokens else ""
+        print(f"\n[{stats.tokens_per_second:.1f} tokens/s, tau {stats.tau:.2f}{reused}]", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(pieces)})
     return 0
 

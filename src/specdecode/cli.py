@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=int, default=512)
     serve.add_argument("--max-batch", type=int, default=8,
                        help="most concurrent requests verified in one target forward (1 = no batching)")
+    add_prefix_cache_arg(serve)
     serve.set_defaults(run=cmd_serve)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, local (--model) or with a server (--url)")
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"))
     chat.add_argument("--max-new-tokens", type=int, default=512)
     add_sampling_args(chat)
+    add_prefix_cache_arg(chat)
     chat.set_defaults(run=cmd_chat)
 
     load = sub.add_parser("loadtest", help="bounded load test of a running server (loopback)")
@@ -166,6 +168,21 @@ def add_model_args(parser: argparse.ArgumentParser, model_required: bool = True)
         help="speculate at every step (default: run plain steps while speculation does not pay on this machine)",
     )
     add_weights_args(parser)
+
+
+def add_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
+    from .api import DEFAULT_PREFIX_CACHE_MB
+
+    parser.add_argument(
+        "--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for earlier requests' KV, reused by prompts that begin with the same tokens (the next turn "
+        "of a chat, a shared document or system prompt); least recently used first out; 0 = off",
+    )
+
+
+def check_prefix_cache_mb(args) -> None:
+    if getattr(args, "prefix_cache_mb", 0) < 0:
+        raise SpecDecodeError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}.", "Pass 0 to turn it off.")
 
 
 def add_weights_args(parser: argparse.ArgumentParser) -> None:
@@ -208,15 +225,19 @@ def read_prompt(args) -> str:
 
 
 def decoder_from_args(args):
-    """Validate the cheap arguments first, then load the target (and draft) model behind a SpecDecoder."""
+    """Validate the cheap arguments first, then load the target (and draft) model behind a SpecDecoder. Commands
+    without --prefix-cache-mb (generate: one prompt, whose --compare/--repeats timings a cache would distort) get
+    none."""
     from .api import SpecDecoder
     from .drafters.base import check_drafter_name, parse_options
 
     options = parse_options(args.drafter_option)
     check_drafter_name(args.drafter)  # before the slow model load
+    check_prefix_cache_mb(args)
     return SpecDecoder(
         args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant,
-        draft_quant=args.draft_quant, governor=args.governor, **options
+        draft_quant=args.draft_quant, governor=args.governor, prefix_cache_mb=getattr(args, "prefix_cache_mb", 0),
+        **options
     )
 
 
@@ -232,7 +253,7 @@ def cmd_generate(args) -> int:
     target = spec.target
     ids = spec.encode(prompt, args.chat)
     check_prompt(target, len(ids), args.max_new_tokens)
-    plain = SpecDecoder(target, "none") if args.compare else None
+    plain = SpecDecoder(target, "none", prefix_cache_mb=0) if args.compare else None
     baseline = plain.generate(ids, args.max_new_tokens, **sampling) if plain else None
 
     def more_pairs() -> list[tuple]:  # the repeats after the first pair: (plain, speculative) results, alternated
@@ -491,7 +512,8 @@ def cmd_serve(args) -> int:
     decoder = decoder_from_args(args)
     app = create_app(decoder, args.served_model_name or args.model, args.api_key, args.default_max_tokens,
                      args.max_batch)
-    print(f"serving {args.model} (drafter {args.drafter}, max batch {args.max_batch}) on "
+    print(f"serving {args.model} (drafter {args.drafter}, max batch {args.max_batch}, prefix cache "
+          f"{args.prefix_cache_mb:g} MB) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cache import KVCache
+from .cache.prefix import PrefixCache
 from .drafters import Drafter
 from .errors import SpecDecodeError
 from .governor import Governor
@@ -37,6 +39,7 @@ class Stats:
     finish_reason: str = ""
     accepted_per_step: list[int] = field(default_factory=list)
     plain_steps: int = 0  # steps the governor ran without drafting (speculation did not pay then)
+    reused_prompt_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache, not the prefill
 
     @property
     def tau(self) -> float:
@@ -82,9 +85,10 @@ def decode(
     stats: Stats | None = None,
     verifier: Verifier | None = None,
     governor: Governor | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each step; `stats` (if given) is filled in as decoding goes."""
-    steps = decode_steps(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier, governor)
+    steps = decode_steps(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier, governor, prefix_cache)
     item = next(steps, None)
     while item is not None:
         if isinstance(item, ForwardRequest):
@@ -107,10 +111,13 @@ def decode_steps(
     stats: Stats | None = None,
     verifier: Verifier | None = None,
     governor: Governor | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generator[Step, torch.Tensor | None, None]:
     """The decode loop: yields each step's new tokens, and before each verification a ForwardRequest, which the
     driver answers by sending its [N+1, V] target logits. With a governor, steps where speculation does not pay
-    run plain: the drafter is not asked (its commit gets the empty draft, as for a draft trimmed to nothing)."""
+    run plain: the drafter is not asked (its commit gets the empty draft, as for a draft trimmed to nothing).
+    With a prefix cache, the prompt's longest stored prefix is restored instead of prefilled, and a generation that
+    ends stores its prompt and answer's committed KV (what the next turn of a conversation starts with)."""
     check_prompt(target, len(prompt_ids), max_new_tokens)
     if not params.greedy and not drafter.supports_sampling:
         raise SpecDecodeError(f"drafter '{drafter.name}' supports greedy decoding only.", "Use --temperature 0.")
@@ -125,11 +132,15 @@ def decode_steps(
     if governor is not None:
         governor.begin(len(prompt_ids), max_new_tokens, drafter.catches_up)
     cache = target.new_cache(capacity)
+    hidden_layers = tuple(drafter.hidden_layers)
+    if hidden_layers:  # the drafter reads every prompt token's hidden states, which only a full prefill computes
+        prefix_cache = None
+    stats.reused_prompt_tokens = _restore_prefix(prefix_cache, prompt_ids, cache)
     drafter.use_target_cache(cache)
     drafter.start(list(prompt_ids), capacity)
-    hidden_layers = tuple(drafter.hidden_layers)
     prompt_hidden = HiddenStates(hidden_layers) if hidden_layers else None
-    first = sample(probs_from_logits(prefill(target, cache, prompt_ids, prompt_hidden), params), generator)
+    rest = prompt_ids[stats.reused_prompt_tokens :]
+    first = sample(probs_from_logits(prefill(target, cache, rest, prompt_hidden), params), generator)
     if prompt_hidden is not None:
         drafter.receive_hidden(prompt_hidden.states)  # [K, prompt, H]
     context = list(prompt_ids) + [first]  # context[-1] is committed but not yet in the target's cache
@@ -139,6 +150,8 @@ def decode_steps(
     while True:
         new = _finish(new, target.eos_token_ids, max_new_tokens - stats.new_tokens, stats)
         stats.new_tokens += len(new)
+        if stats.finish_reason and prefix_cache is not None:
+            _store_prefix(prefix_cache, context[: len(prompt_ids) + stats.new_tokens], cache)
         stats.seconds = time.perf_counter() - start
         yield new
         if stats.finish_reason:
@@ -183,6 +196,24 @@ def decode_steps(
         context.extend(new)
 
 
+def _restore_prefix(prefix_cache: PrefixCache | None, prompt_ids: list[int], cache: KVCache) -> int:
+    """Restore the prompt's longest stored prefix (never its last token) into the empty cache; the count."""
+    if prefix_cache is None:
+        return 0
+    n, entry = prefix_cache.lookup(prompt_ids, like=cache)
+    if n:
+        prefix_cache.restore(entry, n, cache)
+    return n
+
+
+def _store_prefix(prefix_cache: PrefixCache, tokens: list[int], cache: KVCache) -> None:
+    """Store the committed KV of a finished generation's tokens (prompt + answer). The answer's last token is
+    never in the cache (no forward has run on it yet), and the cache may hold tokens past an end-of-sequence cut:
+    only the entries of the leading tokens both cover are stored."""
+    n = min(cache.length, len(tokens))
+    prefix_cache.store(tokens[:n], cache)
+
+
 def _finish(new: list[int], eos: frozenset[int], room: int, stats: Stats) -> list[int]:
     """Cut the step's tokens at the first end-of-sequence token or at the length limit; set finish_reason."""
     for i, token in enumerate(new[:room]):
@@ -195,9 +226,10 @@ def _finish(new: list[int], eos: frozenset[int], room: int, stats: Stats) -> lis
 
 
 def generate(
-    target, drafter, prompt_ids, max_new_tokens, params, verifier=None, governor: Governor | None = None
+    target, drafter, prompt_ids, max_new_tokens, params, verifier=None, governor: Governor | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[list[int], Stats]:
     stats = Stats()
-    steps = decode(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier, governor)
+    steps = decode(target, drafter, prompt_ids, max_new_tokens, params, stats, verifier, governor, prefix_cache)
     tokens = [t for step in steps for t in step]
     return tokens, stats

@@ -5,7 +5,9 @@ tells the drafter what was accepted. A new method is one file with a class decor
 
 The contract, per request (a drafter object serves one request at a time; the server builds one per request):
 - use_target_cache(cache) with the target's KV cache of this request, then start(prompt_ids, capacity) once; then,
-  if hidden_layers is set, receive_hidden with the prompt's states.
+  if hidden_layers is set, receive_hidden with the prompt's states. The cache may already hold the prompt's first
+  entries, committed, restored from the prefix cache (cache/prefix.py; never for a drafter with hidden_layers, whose
+  prompt is always prefilled in full); start still gets every prompt token.
 - A self-speculative drafter (needs_sublayers) may run a part of the target over that cache during propose
   (CausalLM.forward_sublayers): its entries stay uncommitted after the committed ones, which it never touches. The
   engine drops them before verification, unless the draft carries their states (Draft.exit_states): then the

@@ -149,7 +149,8 @@ def create_app(
     async def health():
         return {"status": "ok", "active_requests": scheduler.active, "cache_slots": scheduler.slots,
                 "max_batch": scheduler.max_batch, "batches": scheduler.batches,
-                "batched_requests": scheduler.batched_requests}
+                "batched_requests": scheduler.batched_requests,
+                "prefix_cache": decoder.prefix_cache.stats() if decoder.prefix_cache is not None else None}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -198,7 +199,8 @@ class Run:
         self.text = TextAssembler(decoder.tokenizer, stops)
         self.finish_reason = "length"
         self.cancelled = False
-        steps = decode_steps(decoder.target, decoder.new_drafter(), prompt_ids, max_tokens, params, self.stats)
+        steps = decode_steps(decoder.target, decoder.new_drafter(), prompt_ids, max_tokens, params, self.stats,
+                             prefix_cache=decoder.prefix_cache)  # restored and stored in the worker thread
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.job = scheduler.submit(steps, lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item))
@@ -248,9 +250,12 @@ class ResponseBuilder:
         self.created = int(time.time())
 
     def usage(self, run: Run) -> dict:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens counts the prompt tokens whose KV came from the
+        prefix cache (as OpenAI counts its own prompt caching)."""
         completion = run.stats.new_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": run.stats.reused_prompt_tokens}}
 
     @staticmethod
     def speculative(run: Run) -> dict:
