@@ -206,3 +206,9 @@ def test_generate_repeats_is_checked_before_loading(capsys, extra, message):
 def test_cost_refuses_a_context_the_model_cannot_hold(capsys, smollm2, context, needle):
     line = run_cli(capsys, "cost", "--model", "smollm2-135m-instruct", "--quant", "int4", "--context", context)
     assert needle in line and "--context" in line
+
+
+@pytest.mark.real_model
+def test_a_kv_cache_format_without_the_exact_kernels_is_refused(capsys, smollm2):
+    line = run_cli(capsys, *GEN, "--kv-cache", "bf16")  # dense weights: torch's kernels keep the compute dtype
+    assert "--kv-cache bf16" in line and "--quant" in line

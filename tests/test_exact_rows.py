@@ -233,9 +233,13 @@ def node_paths(draft: Draft, root: int) -> list[list[int]]:
     return paths
 
 
-@pytest.fixture(scope="module", params=["int4", "int8"])
+@pytest.fixture(scope="module", params=["int4", "int8", "int4+bf16"])
 def quantized_smollm2(request, smollm2):
-    return load_model("smollm2-135m-instruct", "bfloat16", quant=request.param)
+    """Quantized weights, with a float32 KV cache or (+bf16) a bfloat16 one: the rows are exact with either."""
+    quant, _, kv_cache = request.param.partition("+")
+    model = load_model("smollm2-135m-instruct", "bfloat16", quant=quant, kv_cache=kv_cache or "auto")
+    assert model.new_cache(1).keys.dtype == (torch.bfloat16 if kv_cache == "bf16" else torch.float32)
+    return model
 
 
 @pytest.mark.real_model

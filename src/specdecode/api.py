@@ -55,13 +55,15 @@ class SpecDecoder:
         draft_quant: str | None = None,  # the draft model's weights (default: quant); the output does not depend on it
         governor: bool = True,  # run plain steps where speculation does not pay (see governor.py)
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,  # earlier requests' KV kept for reuse (0: none)
+        kv_cache: str = "auto",  # the KV cache's format: auto (the compute dtype), f32, bf16 (cache/kv.py)
         **drafter_options,
     ):
-        self.target = load_model(model, dtype, backend, quant)
+        self.target = load_model(model, dtype, backend, quant, kv_cache)
         self.drafter_name = drafter
         self.draft_model = draft_model  # None, a loaded model, or a folder a head drafter reads itself
         if isinstance(draft_model, str) and not DRAFTERS.get(drafter, Drafter).takes_draft_folder:
-            self.draft_model = load_model(draft_model, dtype, backend, quant if draft_quant is None else draft_quant)
+            self.draft_model = load_model(draft_model, dtype, backend, quant if draft_quant is None else draft_quant,
+                                          kv_cache)
         self.drafter_options = drafter_options
         self.governed = governor
         self.last_governor: Governor | None = None

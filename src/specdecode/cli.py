@@ -199,6 +199,11 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
         "--draft-quant", choices=["none", "int8", "int4"],
         help="the draft model's own weights (default: --quant); only speed depends on it, never the output",
     )
+    parser.add_argument(
+        "--kv-cache", default="auto", choices=["auto", "f32", "bf16"],
+        help="the KV cache's format with --quant int4/int8 (auto: float32; bf16 halves its memory and what a long "
+             "context's decode step reads, and changes the answers a little)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -237,6 +242,7 @@ def decoder_from_args(args):
     return SpecDecoder(
         args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant,
         draft_quant=args.draft_quant, governor=args.governor, prefix_cache_mb=getattr(args, "prefix_cache_mb", 0),
+        kv_cache=args.kv_cache,
         **options
     )
 
@@ -367,7 +373,8 @@ def cmd_bench(args) -> int:
     config = BenchConfig(
         model=args.model, methods=methods, question_ids=question_ids, groups=groups,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, backend=args.backend, quant=args.quant,
-        draft_quant=args.draft_quant, repeats=args.repeats, suite=args.suite, long_lengths=lengths,
+        draft_quant=args.draft_quant, kv_cache=args.kv_cache, repeats=args.repeats, suite=args.suite,
+        long_lengths=lengths,
         command=command_line(), **{k: v for k, v in sampling.items() if k != "seed"}, seed=sampling["seed"] or 0,
     )
     records = run_bench(config, questions, args.out)
@@ -446,9 +453,10 @@ def cmd_tune(args) -> int:
         raise SpecDecodeError(
             "no drafter to tune.", "Name drafters with --drafters (and pass --draft-model for model drafters)."
         )
-    target = load_model(args.model, args.dtype, args.backend, args.quant)
+    target = load_model(args.model, args.dtype, args.backend, args.quant, args.kv_cache)
     draft_quant = args.quant if args.draft_quant is None else args.draft_quant
-    draft_model = load_model(args.draft_model, args.dtype, args.backend, draft_quant) if args.draft_model else None
+    draft_model = (load_model(args.draft_model, args.dtype, args.backend, draft_quant, args.kv_cache)
+                   if args.draft_model else None)
     if not args.drafters:  # every drafter: those that cannot run here (no trained head, this backend) are skipped
         names = [name for name in names if _runs_here(name, target, draft_model)]
     profile = run_tune(target, names, tune_prompts(target.tokenizer, args.prompts), draft_model,
@@ -479,7 +487,7 @@ def cmd_cost(args) -> int:
     context = CONTEXT if args.context is None else args.context
     if context < 1:
         raise SpecDecodeError(f"--context {context}: the context must hold at least one token.", "Give --context 1 or more.")
-    target = load_model(args.model, args.dtype, args.backend, args.quant)
+    target = load_model(args.model, args.dtype, args.backend, args.quant, args.kv_cache)
     if context + max(ROWS) > target.max_context:
         raise SpecDecodeError(
             f"--context {context}: {target.name} holds {target.max_context} tokens, and the curve adds up to "

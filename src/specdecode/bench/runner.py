@@ -40,6 +40,7 @@ class BenchConfig:
     backend: str = "auto"
     quant: str = "none"
     draft_quant: str | None = None  # draft models' weights (default: quant)
+    kv_cache: str = "auto"  # the KV cache's format (cache/kv.py KV_CACHES)
     repeats: int = 1
     suite: str = "spec-bench"  # or "long" (long_suite.py)
     long_lengths: list[str] = field(default_factory=list)  # the long suite's target lengths
@@ -94,7 +95,7 @@ def run_bench(config: BenchConfig, questions: list[Question] | Callable[[object]
             quant = config.draft_quant
         key = (spec, backend, quant)
         if key not in loaded:
-            loaded[key] = load_model(spec, config.dtype, backend, quant)
+            loaded[key] = load_model(spec, config.dtype, backend, quant, config.kv_cache)
         return loaded[key]
 
     target = load(config.model)

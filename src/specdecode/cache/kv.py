@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+KV_CACHES = ("auto", "f32", "bf16")  # --kv-cache: auto = the model's compute dtype
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -704,14 +705,22 @@ struct KeyRun {
   int64_t key(int64_t j) const { return list ? list[j] : first + j; }
 };
 
-// Scores of M query vectors (queries [M, D] contiguous) against a run of keys: score (m, j) = reduce16(the 16-lane
-// sums of q * k over D in order) * scale, written to scores[m * stride + j], its maximum folded into best[m]. Each
-// key is loaded once for all M vectors; the 16 lane sums of 16 keys are reduced at once (reduce16x16).
+// Layouts inside a tile of `vectors` query vectors (so that vector m of a loop over M is an immediate offset, not one
+// more register: with 24 vectors the address arithmetic had spilled to the stack):
+//   queries [D / 16][vectors][16]: vector m's chunk c at (c * vectors + m) * 16;
+//   scores  [keys / 16][vectors][16]: vector m's score of its visible key j at ((j / 16) * vectors + m) * 16 + j % 16.
+inline int64_t score_at(int64_t vectors, int64_t m, int64_t j) { return ((j >> 4) * vectors + m) * 16 + (j & 15); }
+
+// Scores of M query vectors (queries: vector m's chunk c at queries[c * vectors * 16 + m * 16]) against a run of keys:
+// score (m, j) = reduce16(the 16-lane sums of q * k over D in order) * scale, written to scores at visible index
+// first + j, its maximum folded into best[m]. Each key is loaded once for all M vectors; the 16 lane sums of 16 keys
+// are reduced at once (reduce16x16).
 template <int M, typename T>
-void score_run(const float* queries, int64_t d, const T* keys, int64_t key_stride, KeyRun run, float scale,
-               float* scores, int64_t stride, __m512* best) {
+void score_run(const float* queries, int64_t vectors, int64_t d, const T* keys, int64_t key_stride, KeyRun run,
+               float scale, float* scores, int64_t first, __m512* best) {
   alignas(64) float sums[M][16][16];
-  const int64_t chunks = d / 16;
+  alignas(64) float lanes[16];
+  const int64_t chunks = d / 16, chunk_stride = vectors * 16;
   for (int64_t j0 = 0; j0 < run.count; j0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, run.count - j0));
     for (int jj = 0; jj < n; ++jj) {
@@ -722,43 +731,50 @@ void score_run(const float* queries, int64_t d, const T* keys, int64_t key_strid
       __m512 acc[M];
 #pragma GCC unroll 24
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
+      const float* query = queries;
+      for (int64_t c = 0; c < chunks; ++c, query += chunk_stride) {
         const __m512 k = load16(key + 16 * c);
 #pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
-        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(queries + m * d + 16 * c), k, acc[m]);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(query + m * 16), k, acc[m]);
       }
 #pragma GCC unroll 24
       for (int m = 0; m < M; ++m) _mm512_store_ps(sums[m][jj], acc[m]);
     }
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const int64_t at = first + j0;  // visible index of this group's first key
     for (int m = 0; m < M; ++m) {
       const __m512 s = _mm512_mul_ps(reduce16x16(&sums[m][0][0]), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + m * stride + j0, live, s);
       best[m] = _mm512_mask_max_ps(best[m], live, best[m], s);
+      if ((at & 15) == 0) {  // the group is one block of the layout
+        _mm512_mask_storeu_ps(scores + score_at(vectors, m, at), live, s);
+      } else {  // a tail's group straddles two blocks (tails are short)
+        _mm512_store_ps(lanes, s);
+        for (int i = 0; i < n; ++i) scores[score_at(vectors, m, at + i)] = lanes[i];
+      }
     }
   }
 }
 
-// Scores -> unnormalized probabilities exp(s - max) in place, lanes past n zeroed; returns 1 / their total (summed
-// in 16-lane blocks by visible index, then reduce16).
-inline float softmax_row(float* row, int64_t n, float best) {
-  const int64_t padded = (n + 15) / 16 * 16;
+// Vector m's n scores -> unnormalized probabilities exp(s - max) in place, lanes past n zeroed; returns 1 / their
+// total (summed in 16-lane blocks by visible index, then reduce16).
+inline float softmax_vector(float* scores, int64_t vectors, int64_t m, int64_t n, float best) {
   __m512 total = _mm512_setzero_ps();
   const __m512 shift = _mm512_set1_ps(best);
-  for (int64_t j = 0; j < padded; j += 16) {
+  for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift)));
-    _mm512_storeu_ps(row + j, p);
+    float* block = scores + score_at(vectors, m, j);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, block), shift)));
+    _mm512_storeu_ps(block, p);
     total = _mm512_add_ps(total, p);
   }
   return 1.f / reduce16(total);
 }
 
-// acc[m] (M running sums [D] each, in memory between runs) += p(m, j) * value(j) over a run of values in order,
-// p(m, j) = probs[m * stride + j].
+// acc[m] (M running sums [D] each, in memory between runs) += p(m, j) * value(j) over a run of values in order;
+// p(m, j) is vector m's probability at visible index first + j (the scores layout; probs points at vector 0 of M).
 template <int M, typename T>
-void weigh_run(const float* probs, int64_t stride, const T* values, int64_t value_stride, KeyRun run, int64_t d,
-               float* acc_out) {
+void weigh_run(const float* probs, int64_t vectors, const T* values, int64_t value_stride, KeyRun run, int64_t first,
+               int64_t d, float* acc_out) {
   constexpr int SPAN = M >= 24 ? 1 : 24 / M;  // D chunks per pass: M * SPAN accumulators stay in registers
   const int64_t chunks = d / 16;
   for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
@@ -774,12 +790,13 @@ void weigh_run(const float* probs, int64_t stride, const T* values, int64_t valu
       if (run.list == nullptr)
         for (int64_t line = 0; line < 16 * span * int64_t(sizeof(T)); line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride) + line, _MM_HINT_T0);
+      const float* p = probs + score_at(vectors, 0, first + j);  // vector m's at p[m * 16]
 #pragma GCC unroll 24
       for (int c = 0; c < SPAN; ++c) {
         if (c >= span) break;
         const __m512 v = load16(value + 16 * c);
 #pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
-        for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[m * stride + j]), v, acc[m][c]);
+        for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[m * 16]), v, acc[m][c]);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -787,13 +804,12 @@ void weigh_run(const float* probs, int64_t stride, const T* values, int64_t valu
   }
 }
 
-
 constexpr int TILE_VECTORS = 24;  // query vectors (rows x heads) scored together: their sums stay in registers
 
 template <typename T>
-using ScoreFn = void (*)(const float*, int64_t, const T*, int64_t, KeyRun, float, float*, int64_t, __m512*);
+using ScoreFn = void (*)(const float*, int64_t, int64_t, const T*, int64_t, KeyRun, float, float*, int64_t, __m512*);
 template <typename T>
-using WeighFn = void (*)(const float*, int64_t, const T*, int64_t, KeyRun, int64_t, float*);
+using WeighFn = void (*)(const float*, int64_t, const T*, int64_t, KeyRun, int64_t, int64_t, float*);
 
 template <typename T, size_t... I>
 ScoreFn<T> score_fn(int m, std::index_sequence<I...>) {
@@ -813,7 +829,7 @@ struct TileKeys {
   std::vector<std::vector<int64_t>> tails;
 };
 
-// Attention of a tile: `rows` query rows x `heads` query heads of one KV head; queries [rows * heads, D] contiguous
+// Attention of a tile: `rows` query rows x `heads` query heads of one KV head; queries in the tile layout above
 // (vector m = row m / heads, head m % heads); out[r] points at row r's first head's output. Every (row, head) gets
 // exactly the arithmetic it gets alone: the same scores, maximum, softmax total and value sums, in the same order
 // (shared keys, then its tail); only the loads are shared.
@@ -824,35 +840,35 @@ void attend_tile_avx512(const float* queries, int rows, int heads, const T* keys
   const int m_all = rows * heads;
   int64_t longest = 0;
   for (int r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, tile.tails[r].size());
-  const int64_t stride = (tile.shared + longest + 15) / 16 * 16;
-  scores.assign(m_all * stride, -std::numeric_limits<float>::infinity());  // [M, stride]
+  scores.resize((tile.shared + longest + 15) / 16 * 16 * m_all);  // the scores layout
   sums.assign(m_all * d, 0.f);  // [M, D]
   __m512 best[TILE_VECTORS];
   for (int m = 0; m < m_all; ++m) best[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const auto all = std::make_index_sequence<TILE_VECTORS>();
   const KeyRun shared{nullptr, 0, tile.shared};
-  score_fn<T>(m_all, all)(queries, d, keys, key_stride, shared, scale, scores.data(), stride, best);
+  score_fn<T>(m_all, all)(queries, m_all, d, keys, key_stride, shared, scale, scores.data(), 0, best);
   for (int r = 0; r < rows; ++r) {
     const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
     if (tail.count)
-      score_fn<T>(heads, all)(queries + r * heads * d, d, keys, key_stride, tail, scale,
-                              scores.data() + r * heads * stride + tile.shared, stride, best + r * heads);
+      score_fn<T>(heads, all)(queries + r * heads * 16, m_all, d, keys, key_stride, tail, scale,
+                              scores.data() + r * heads * 16, tile.shared, best + r * heads);
   }
   float inverse[TILE_VECTORS];
   for (int m = 0; m < m_all; ++m)
-    inverse[m] = softmax_row(scores.data() + m * stride, tile.shared + tile.tails[m / heads].size(),
-                             _mm512_reduce_max_ps(best[m]));
-  weigh_fn<T>(m_all, all)(scores.data(), stride, values, value_stride, shared, d, sums.data());
+    inverse[m] = softmax_vector(scores.data(), m_all, m, tile.shared + tile.tails[m / heads].size(),
+                                _mm512_reduce_max_ps(best[m]));
+  weigh_fn<T>(m_all, all)(scores.data(), m_all, values, value_stride, shared, 0, d, sums.data());
   for (int r = 0; r < rows; ++r) {
     const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
     if (tail.count)
-      weigh_fn<T>(heads, all)(scores.data() + r * heads * stride + tile.shared, stride, values, value_stride, tail,
-                              d, sums.data() + r * heads * d);
+      weigh_fn<T>(heads, all)(scores.data() + r * heads * 16, m_all, values, value_stride, tail, tile.shared, d,
+                              sums.data() + r * heads * d);
   }
   for (int m = 0; m < m_all; ++m) {
     const __m512 inv = _mm512_set1_ps(inverse[m]);
     float* o = out[m / heads] + (m % heads) * d;
-    for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + m * d + c), inv));
+    for (int64_t c = 0; c < d; c += 16)
+      _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + m * d + c), inv));
   }
 }
 
@@ -1064,15 +1080,19 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
       for (int64_t g0 = part * span; g0 < last; g0 += MAX_GROUP) {
         const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, last - g0));
         const int64_t head = h * group + g0;
-        query_buf.resize(n_rows * heads * d);
+        const int64_t vectors = n_rows * heads;
+        query_buf.resize(vectors * d + 16);  // the tile layout, 64-byte aligned below
+        float* tile_queries = query_buf.data() + (16 - reinterpret_cast<uintptr_t>(query_buf.data()) / 4 % 16) % 16;
         outs.resize(n_rows);
         for (int64_t r = 0; r < n_rows; ++r) {
-          for (int g = 0; g < heads; ++g)
-            std::memcpy(query_buf.data() + (r * heads + g) * d,
-                        query_data + b * qs[0] + (head + g) * qs[1] + (i0 + r) * qs[2], d * sizeof(float));
+          for (int g = 0; g < heads; ++g) {
+            const float* query = query_data + b * qs[0] + (head + g) * qs[1] + (i0 + r) * qs[2];
+            for (int64_t c = 0; c < d / 16; ++c)
+              std::memcpy(tile_queries + (c * vectors + r * heads + g) * 16, query + 16 * c, 16 * sizeof(float));
+          }
           outs[r] = out_data + ((b * q + i0 + r) * hq + head) * d;
         }
-        attend_tile_avx512<T>(query_buf.data(), static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2],
+        attend_tile_avx512<T>(tile_queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2],
                               tile, d, float(scale), outs.data(), scores, sums);
       }
     }
@@ -1411,15 +1431,64 @@ torch::Tensor fused_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
 
 // The attention step of a decoder layer from its fused projections: qkv [B*q, (Hq + 2 Hkv) D] float32 rows ->
 // per-head norms (q_norm, k_norm [D] or empty) -> rotary (cos, sin [B, q, D]) -> the new keys and values written
-// into the layer's cache keys/values [B, Hkv, C, D] float32 at columns slots [B, q] -> attention over n_keys keys
-// (mask [B, q, >= n_keys] bool or empty) -> [B*q, Hq D].
+// into the layer's cache keys/values [B, Hkv, C, D] (float32, or bfloat16 rounded to nearest even) at columns
+// slots [B, q] -> attention over n_keys keys (mask [B, q, >= n_keys] bool or empty) -> [B*q, Hq D]. The rows read
+// their own new keys from the cache, rounded as a later step will read them.
+template <typename T>
+void write_cache_row(const float* source, int64_t d, T* target) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(target, source, d * sizeof(float));
+  } else {
+    for (int64_t c = 0; c < d; ++c) target[c] = static_cast<T>(source[c]);
+  }
+}
+
+template <typename T>
+void write_step_entries(const torch::Tensor& qkv, int64_t hq, int64_t hkv, const torch::Tensor& q_norm,
+                        const torch::Tensor& k_norm, float eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                        torch::Tensor& keys, torch::Tensor& values, const int64_t* slot, int64_t q,
+                        torch::Tensor& queries, int64_t isa) {
+  const int64_t b = keys.size(0), d = keys.size(3);
+  const bool q_normed = q_norm.defined() && q_norm.numel() > 0, k_normed = k_norm.defined() && k_norm.numel() > 0;
+  const float* source = qkv.data_ptr<float>();
+  float* query_data = queries.data_ptr<float>();
+  T* key_data = keys.data_ptr<T>();
+  T* value_data = values.data_ptr<T>();
+  const auto ks = keys.strides(), vs = values.strides();
+  at::parallel_for(0, b * q * (hq + hkv), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(d), rotated(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / (hq + hkv), h = item % (hq + hkv), bi = row / q, i = row % q;
+      const float* x = source + row * qkv.stride(0) + h * d;
+      const bool is_query = h < hq;
+      const torch::Tensor& norm = is_query ? q_norm : k_norm;
+      if (is_query ? q_normed : k_normed) {
+        rms_norm_row(x, norm.data_ptr<float>(), d, eps, normed.data(), isa);
+        x = normed.data();
+      }
+      const float* c = cos.data_ptr<float>() + row * d;
+      const float* s = sin.data_ptr<float>() + row * d;
+      if (is_query) {
+        rotary_row(x, c, s, d, query_data + ((bi * hq + h) * q + i) * d, isa);
+        continue;
+      }
+      const int64_t kv = h - hq;
+      rotary_row(x, c, s, d, rotated.data(), isa);
+      write_cache_row(rotated.data(), d, key_data + bi * ks[0] + kv * ks[1] + slot[row] * ks[2]);
+      write_cache_row(source + row * qkv.stride(0) + (hq + hkv + kv) * d, d,  // the value head of this key head
+                      value_data + bi * vs[0] + kv * vs[1] + slot[row] * vs[2]);
+    }
+  });
+}
+
 torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::Tensor q_norm, torch::Tensor k_norm,
                              double eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
                              torch::Tensor values, torch::Tensor slots, int64_t n_keys, torch::Tensor mask,
                              double scale, int64_t isa) {
-  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 &&
-                  keys.stride(3) == 1 && values.stride(3) == 1,
-              "keys/values must be [B, Hkv, C, D] float32");
+  const bool bf16 = keys.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(keys.dim() == 4 && (bf16 || keys.scalar_type() == torch::kFloat32) &&
+                  values.scalar_type() == keys.scalar_type() && keys.stride(3) == 1 && values.stride(3) == 1,
+              "keys/values must be [B, Hkv, C, D] float32 or bfloat16");
   const int64_t b = keys.size(0), d = keys.size(3), heads = hq + 2 * hkv;
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == b && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
               "slots must be [B, q] int64");
@@ -1438,34 +1507,18 @@ torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < b * q; ++i)
     TORCH_CHECK(slot[i] >= 0 && slot[i] < keys.size(2) && slot[i] < n_keys, "a slot is outside the cache");
-  auto queries = torch::empty({b, hq, q, d}, qkv.options());
-  const float* source = qkv.data_ptr<float>();
-  float* query_data = queries.data_ptr<float>();
-  const auto ks = keys.strides(), vs = values.strides();
-  const float fe = static_cast<float>(eps);
-  at::parallel_for(0, b * q * (hq + hkv), 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> normed(d);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / (hq + hkv), h = item % (hq + hkv), bi = row / q, i = row % q;
-      const float* x = source + row * qkv.stride(0) + h * d;
-      const bool is_query = h < hq;
-      const torch::Tensor& norm = is_query ? q_norm : k_norm;
-      if (is_query ? q_normed : k_normed) {
-        rms_norm_row(x, norm.data_ptr<float>(), d, fe, normed.data(), isa);
-        x = normed.data();
-      }
-      float* out = is_query ? query_data + ((bi * hq + h) * q + i) * d
-                            : keys.data_ptr<float>() + bi * ks[0] + (h - hq) * ks[1] + slot[row] * ks[2];
-      rotary_row(x, cos.data_ptr<float>() + row * d, sin.data_ptr<float>() + row * d, d, out, isa);
-      if (!is_query)  // the value head of this key head
-        std::memcpy(values.data_ptr<float>() + bi * vs[0] + (h - hq) * vs[1] + slot[row] * vs[2],
-                    source + row * qkv.stride(0) + (hq + hkv + h - hq) * d, d * sizeof(float));
-    }
-  });
   TORCH_CHECK(!mask.defined() || mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.is_contiguous()),
               "mask: contiguous bool");
+  auto queries = torch::empty({b, hq, q, d}, qkv.options());
   auto out = torch::empty({b, q, hq * d}, qkv.options());
-  attention_impl<float>(queries, keys, values, mask, n_keys, scale, isa, out);
+  const float fe = static_cast<float>(eps);
+  if (bf16) {
+    write_step_entries<at::BFloat16>(qkv, hq, hkv, q_norm, k_norm, fe, cos, sin, keys, values, slot, q, queries, isa);
+    attention_impl<at::BFloat16>(queries, keys, values, mask, n_keys, scale, isa, out);
+  } else {
+    write_step_entries<float>(qkv, hq, hkv, q_norm, k_norm, fe, cos, sin, keys, values, slot, q, queries, isa);
+    attention_impl<float>(queries, keys, values, mask, n_keys, scale, isa, out);
+  }
   return out.view({b * q, hq * d});
 }
 

@@ -109,9 +109,16 @@ class CausalLM(ABC):
     dtype: torch.dtype
     quant: str = "none"  # weight format: none (dtype), int8, int4
     runs_sublayers: bool = False  # forward_sublayers and Resume work (self-speculative drafters need them)
+    kv_cache: str = "auto"  # the KV cache's format (KV_CACHES); auto: the compute dtype
 
     @abstractmethod
     def new_cache(self, capacity: int) -> KVCache: ...
+
+    def use_kv_cache(self, kv_cache: str) -> None:
+        """Hold keys and values in this format from the next new_cache on (a backend that has one format keeps it)."""
+        if kv_cache != "auto":
+            raise SpecDecodeError(f"--kv-cache {kv_cache} needs the native backend with --quant int4 or int8.",
+                                  "Drop --kv-cache, or load the model with --backend native --quant int4.")
 
     @abstractmethod
     def forward(

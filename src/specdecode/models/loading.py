@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from ..cache.kv import KV_CACHES
 from ..errors import SpecDecodeError
 from . import packaged
 from .base import CausalLM
@@ -90,12 +91,15 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 BACKENDS = ("auto", "native", "hf")
 
 
-def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "auto", quant: str = "none") -> CausalLM:
+def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "auto", quant: str = "none",
+               kv_cache: str = "auto") -> CausalLM:
     """backend: native (our model files; --quant applies), hf (transformers), auto (native where the family has a
-    native file and the weights are local, else hf)."""
+    native file and the weights are local, else hf). kv_cache: the KV cache's format (cache/kv.py KV_CACHES)."""
     if isinstance(spec, CausalLM):
         return spec
     check_load_options(dtype, backend, quant)
+    if kv_cache not in KV_CACHES:
+        raise SpecDecodeError(f"unknown KV cache format '{kv_cache}'.", f"Choose one of: {', '.join(KV_CACHES)}.")
     source = resolve(spec)
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -120,6 +124,7 @@ def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "au
         ) from None
     finally:
         hf_logging.enable_progress_bar()
+    model.use_kv_cache(kv_cache)
     return model
 
 

@@ -70,6 +70,8 @@ def curve_path(target, context: int = CONTEXT) -> Path:
     machine = f"{cpu['model']}:{','.join(cpu['flags'])}:{cpu['threads']}:{cpu['isa']}:{kernels.build_id()}"
     digest = hashlib.sha256(machine.encode()).hexdigest()[:12]
     key = f"{target.name}-{str(target.dtype).removeprefix('torch.')}-{target.quant}-{type(target).__name__}-{digest}"
+    if getattr(target, "kv_cache", "auto") != "auto":
+        key += f"-kv{target.kv_cache}"
     if context != CONTEXT:
         key += f"-context{context}"
     return cache_root() / "cost" / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")

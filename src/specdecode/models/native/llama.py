@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...cache import KVCache
+from ...cache.kv import KV_DTYPES
 from ...errors import SpecDecodeError
 from ..base import (
     BatchInputs, CausalLM, ForwardRequest, Resume, Sublayers, attention_mask, batch_attention_mask, fill_hidden,
@@ -88,7 +89,14 @@ class LlamaModel(CausalLM):
         return weights.tensor(name).to(self.dtype)
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, KV_DTYPES.get(self.kv_cache, self.dtype))
+
+    def use_kv_cache(self, kv_cache: str) -> None:
+        """f32 or bf16 keys and values for the row-exact kernels (they read either; every row reads the same rounded
+        entries, so rows stay exact); torch's kernels keep the compute dtype."""
+        if kv_cache != "auto" and not self.ops.exact:
+            super().use_kv_cache(kv_cache)
+        self.kv_cache = kv_cache
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., d]
