@@ -770,38 +770,47 @@ inline float softmax_vector(float* scores, int64_t vectors, int64_t m, int64_t n
   return 1.f / reduce16(total);
 }
 
-// acc[m] (M running sums [D] each, in memory between runs) += p(m, j) * value(j) over a run of values in order;
-// p(m, j) is vector m's probability at visible index first + j (the scores layout; probs points at vector 0 of M).
+// acc[m][c0 .. c0+S) (running sums in memory between runs) += p(m, j) * value(j) over a run of values in order, S
+// chunks of 16 at a time; p(m, j) is vector m's probability at visible index first + j (the scores layout; probs
+// points at vector 0 of M). S is a constant so that the M * S sums stay in registers.
+template <int M, int S, typename T>
+void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t value_stride, KeyRun run,
+                int64_t first, int64_t d, int64_t c0, float* acc_out) {
+  __m512 acc[M][S];
+#pragma GCC unroll 24
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
+  for (int64_t j = 0; j < run.count; ++j) {
+    const T* value = values + run.key(j) * value_stride + 16 * c0;
+    if (run.list == nullptr)
+      for (int64_t line = 0; line < 16 * S * int64_t(sizeof(T)); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride) + line, _MM_HINT_T0);
+    const float* p = probs + score_at(vectors, 0, first + j);  // vector m's at p[m * 16]
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) {
+      const __m512 v = load16(value + 16 * c);
+#pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
+      for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[m * 16]), v, acc[m][c]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
+}
+
+// acc[m] (M running sums [D] each) += p(m, j) * value(j) over a run of values in order: passes of as many D chunks
+// as registers hold for M vectors, then single chunks. A sum's arithmetic does not depend on the pass it is in.
 template <int M, typename T>
 void weigh_run(const float* probs, int64_t vectors, const T* values, int64_t value_stride, KeyRun run, int64_t first,
                int64_t d, float* acc_out) {
-  constexpr int SPAN = M >= 24 ? 1 : 24 / M;  // D chunks per pass: M * SPAN accumulators stay in registers
+  constexpr int SPAN = M >= 24 ? 1 : 24 / M;
   const int64_t chunks = d / 16;
-  for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
-    const int span = static_cast<int>(std::min<int64_t>(SPAN, chunks - c0));
-    __m512 acc[M][SPAN];
-#pragma GCC unroll 24
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 24
-      for (int c = 0; c < SPAN; ++c)
-        if (c < span) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
-    for (int64_t j = 0; j < run.count; ++j) {
-      const T* value = values + run.key(j) * value_stride + 16 * c0;
-      if (run.list == nullptr)
-        for (int64_t line = 0; line < 16 * span * int64_t(sizeof(T)); line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride) + line, _MM_HINT_T0);
-      const float* p = probs + score_at(vectors, 0, first + j);  // vector m's at p[m * 16]
-#pragma GCC unroll 24
-      for (int c = 0; c < SPAN; ++c) {
-        if (c >= span) break;
-        const __m512 v = load16(value + 16 * c);
-#pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
-        for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[m * 16]), v, acc[m][c]);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < span; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
-  }
+  int64_t c0 = 0;
+  for (; c0 + SPAN <= chunks; c0 += SPAN)
+    weigh_pass<M, SPAN, T>(probs, vectors, values, value_stride, run, first, d, c0, acc_out);
+  for (; c0 < chunks; ++c0) weigh_pass<M, 1, T>(probs, vectors, values, value_stride, run, first, d, c0, acc_out);
 }
 
 constexpr int TILE_VECTORS = 24;  // query vectors (rows x heads) scored together: their sums stay in registers
