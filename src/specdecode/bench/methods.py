@@ -4,10 +4,11 @@ Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `
 `hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-uag:DRAFT_MODEL` (transformers' universal
 assisted generation: a draft model of another tokenizer, string-level matching when greedy and token-level
 intersection when sampling), `hf-pld` (transformers' prompt lookup), and
-`hf-plain` (transformers' own generate, to compare our baseline with), and `llama.cpp` / `llama.cpp-pld`
-(llama-cpp-python's plain and prompt-lookup decoding of the target's GGUF file; see llamacpp.py). Any spec but
-the llama.cpp ones may end in @WEIGHTS (`@hf`, `@native`, `@native-int4`, ...) to run on other target weights
-than the run's --backend/--quant.
+`hf-plain` (transformers' own generate, to compare our baseline with), `llama.cpp` / `llama.cpp-pld`
+(llama-cpp-python's plain and prompt-lookup decoding of the target's GGUF file; see llamacpp.py), and `openvino` /
+`openvino-pld` / `openvino-draft:DRAFT_MODEL` (OpenVINO GenAI's plain, prompt-lookup and draft-model decoding of the
+target exported to int4 OpenVINO IR; see openvino.py). Any spec but the llama.cpp and openvino ones may end in
+@WEIGHTS (`@hf`, `@native`, `@native-int4`, ...) to run on other target weights than the run's --backend/--quant.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
         from .llamacpp import LlamaCppMethod  # llama-cpp-python is an optional extra
 
         return LlamaCppMethod(spec, target, prompt_lookup=spec == "llama.cpp-pld")
+    if spec.split(":", 1)[0] in ("openvino", "openvino-pld", "openvino-draft"):  # OpenVINO runs its own int4 IR
+        from .openvino import build  # openvino-genai is an optional extra
+
+        return build(spec, target)
     head, _, weights = spec.partition("@")
     if weights:
         target = load(target.name, weights)
@@ -131,8 +136,7 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
         raise SpecDecodeError(
             f"unknown method '{spec}'.",
             f"Use a drafter ({', '.join(sorted(DRAFTERS))}), hf-plain, hf-pld, hf-assisted:MODEL, hf-uag:MODEL, "
-            "llama.cpp or "
-            "llama.cpp-pld.",
+            "llama.cpp, llama.cpp-pld, openvino, openvino-pld or openvino-draft:MODEL.",
         )
     options = parse_options(option_pairs)
     governed = bool(options.pop("governor", True))  # +governor=false: speculate at every step

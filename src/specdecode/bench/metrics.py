@@ -6,6 +6,17 @@ import statistics
 from collections import defaultdict
 
 BASELINE = "none"
+# Peer rows that run other weights than every other row (llama.cpp: the GGUF file's; OpenVINO: its int4 IR): their
+# greedy outputs are compared with their own plain row, not with `none`.
+PEER_PLAIN_ROWS = ("llama.cpp", "openvino")
+
+
+def identity_baseline(method: str) -> str:
+    """The row whose outputs `method`'s are compared with: its peer's plain row, or `none`."""
+    for plain in PEER_PLAIN_ROWS:
+        if method == plain or method.startswith((plain + "-", plain + ":")):
+            return plain
+    return BASELINE
 
 
 def key(record: dict) -> tuple:
@@ -17,10 +28,10 @@ def aggregate(records: list[dict], methods: list[str], groups: list[str]) -> dic
     by_method: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by_method[r["method"]].append(r)
-    baseline_tokens = {key(r): r["token_ids"] for r in by_method.get(BASELINE, [])}
     table = {}
     for method in methods:
         rows = by_method.get(method, [])
+        baseline_tokens = {key(r): r["token_ids"] for r in by_method.get(identity_baseline(method), [])}
         table[method] = {g: summarize([r for r in rows if r["group"] == g], baseline_tokens) for g in groups}
         table[method]["overall"] = summarize(rows, baseline_tokens)
     for method in methods:

@@ -46,7 +46,8 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         f"- Date: {when}",
         f"- Machine: {machine['cpu']}, {machine['threads']} threads; {machine['platform']}; "
         f"torch {machine['torch']}, transformers {machine['transformers']}"
-        + (f", llama-cpp-python {machine.get('llama_cpp')}" if llama_cpp else ""),
+        + (f", llama-cpp-python {machine.get('llama_cpp')}" if llama_cpp else "")
+        + "".join(f", {engine}" for engine in sorted({r["engine"] for r in records if r.get("engine")})),
         f"- Command: `{config.command}`",
         _questions_line(config, groups, machine),
         f"- {config.max_new_tokens} new tokens at most, {config.repeats} repeat(s); warm-up excluded; "
@@ -67,7 +68,7 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         "## Details (all groups)",
         "",
         "| Method | tokens/s | time to first token | decode tok/s | tau | acceptance | draft time | verify time "
-        "| other time | identical to `none` |",
+        "| other time | identical to plain |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for method, row in table.items():
@@ -79,6 +80,12 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
             f"{_fmt(m['draft_share'], '.0%')} | {_fmt(m['verify_share'], '.0%')} | {_fmt(m['other_share'], '.0%')} | "
             f"{_fmt(m['identical_share'] if config.temperature == 0 else None, '.0%')} |"
         )
+    weights = {}
+    for record in records:  # peer rows that name the weights they ran (openvino: its int4 IR)
+        if record.get("weights"):
+            weights.setdefault(record["method"], record["weights"])
+    if weights:
+        lines += ["", "Weights of the peer rows: " + "; ".join(f"`{m}` {w}" for m, w in weights.items()) + "."]
     lines += _long_section(records, config.methods, groups)
     lines += _options_section(records)
     lines += [
@@ -91,8 +98,11 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         "in an int4/int8 run: transformers has no path for those, so its greedy outputs can differ) and report no "
         "tau; llama.cpp rows run "
         "llama-cpp-python on the model's GGUF file (its quantized weights, so greedy outputs can differ) with the "
-        "same prompt token ids and thread count. "
-        f"Identity compares each generation with `{BASELINE}` on the same question and turn (greedy only); in "
+        "same prompt token ids and thread count; openvino rows run OpenVINO GenAI on the model exported to "
+        "OpenVINO IR with int4 weights (NNCF, group 32, sym), fed the same prompt token ids, with the same thread "
+        "count, their time to first token from OpenVINO GenAI's own metrics. "
+        f"Identity compares each generation with `{BASELINE}` on the same question and turn (greedy only), a "
+        "llama.cpp or openvino row with that peer's own plain row (`llama.cpp`, `openvino`: other weights); in "
         "bfloat16 a near-tie can flip (see `specdecode audit`).",
         "",
         "![speedup per group](speedup.png) ![tau vs tokens/s](tau_vs_tokens_per_second.png)",
