@@ -711,6 +711,37 @@ struct KeyRun {
 //   scores  [keys / 16][vectors][16]: vector m's score of its visible key j at ((j / 16) * vectors + m) * 16 + j % 16.
 inline int64_t score_at(int64_t vectors, int64_t m, int64_t j) { return ((j >> 4) * vectors + m) * 16 + (j & 15); }
 
+constexpr int KEY_BLOCK = 4, VECTOR_BLOCK = 4;  // a score register block: 4 keys x 4 query vectors
+
+// The 16-lane sums of q * k over D in order (one FMA per chunk of 16, from zero) for MB query vectors and KEY_BLOCK
+// keys, stored to sums[m][slot + i] for the first `used` keys: each loaded chunk serves 4 FMAs.
+template <int MB, typename T>
+inline void lane_sums(const float* queries, int64_t chunk_stride, int64_t chunks, const T* const* key, int used,
+                      float (*sums)[16][16], int slot) {
+  __m512 acc[MB][KEY_BLOCK];
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int i = 0; i < KEY_BLOCK; ++i) acc[m][i] = _mm512_setzero_ps();
+  const float* query = queries;
+  for (int64_t c = 0; c < chunks; ++c, query += chunk_stride) {
+    __m512 k[KEY_BLOCK];
+#pragma GCC unroll 4
+    for (int i = 0; i < KEY_BLOCK; ++i) k[i] = load16(key[i] + 16 * c);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m512 q = _mm512_load_ps(query + m * 16);
+#pragma GCC unroll 4
+      for (int i = 0; i < KEY_BLOCK; ++i) acc[m][i] = _mm512_fmadd_ps(q, k[i], acc[m][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int i = 0; i < KEY_BLOCK; ++i)
+      if (i < used) _mm512_store_ps(sums[m][slot + i], acc[m][i]);
+}
+
 // Scores of M query vectors (queries: vector m's chunk c at queries[c * vectors * 16 + m * 16]) against a run of keys:
 // score (m, j) = reduce16(the 16-lane sums of q * k over D in order) * scale, written to scores at visible index
 // first + j, its maximum folded into best[m]. Each key is loaded once for all M vectors; the 16 lane sums of 16 keys
@@ -723,22 +754,19 @@ void score_run(const float* queries, int64_t vectors, int64_t d, const T* keys, 
   const int64_t chunks = d / 16, chunk_stride = vectors * 16;
   for (int64_t j0 = 0; j0 < run.count; j0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, run.count - j0));
-    for (int jj = 0; jj < n; ++jj) {
-      const T* key = keys + run.key(j0 + jj) * key_stride;
-      if (run.list == nullptr)  // a long run streams from memory: ask for the key KEYS_AHEAD on
-        for (int64_t line = 0; line < d * int64_t(sizeof(T)); line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(key + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
-      __m512 acc[M];
-#pragma GCC unroll 24
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-      const float* query = queries;
-      for (int64_t c = 0; c < chunks; ++c, query += chunk_stride) {
-        const __m512 k = load16(key + 16 * c);
-#pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
-        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(query + m * 16), k, acc[m]);
-      }
-#pragma GCC unroll 24
-      for (int m = 0; m < M; ++m) _mm512_store_ps(sums[m][jj], acc[m]);
+    for (int jj = 0; jj < n; jj += KEY_BLOCK) {
+      const int used = std::min(KEY_BLOCK, n - jj);
+      const T* key[KEY_BLOCK];
+      for (int i = 0; i < KEY_BLOCK; ++i) key[i] = keys + run.key(j0 + jj + std::min(i, used - 1)) * key_stride;
+      if (run.list == nullptr)  // a long run streams from memory: ask for the keys KEYS_AHEAD on
+        for (int64_t line = 0; line < KEY_BLOCK * d * int64_t(sizeof(T)); line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(key[0] + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int m0 = 0; m0 + VECTOR_BLOCK <= M; m0 += VECTOR_BLOCK)
+        lane_sums<VECTOR_BLOCK, T>(queries + m0 * 16, chunk_stride, chunks, key, used, &sums[m0], jj);
+      if constexpr (M % VECTOR_BLOCK != 0)
+        lane_sums<M % VECTOR_BLOCK, T>(queries + (M - M % VECTOR_BLOCK) * 16, chunk_stride, chunks, key, used,
+                                       &sums[M - M % VECTOR_BLOCK], jj);
     }
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const int64_t at = first + j0;  // visible index of this group's first key
