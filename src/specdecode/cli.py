@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True)
     bench.add_argument(
         "--drafters", default="none,pld", help="comma-separated methods: NAME[:DRAFT_MODEL][+KEY=VALUE...], "
-        "hf-plain, hf-pld, hf-assisted:MODEL, llama.cpp, llama.cpp-pld (pip install 'specdecode[llamacpp]'); a suffix "
+        "hf-plain, hf-pld, hf-assisted:MODEL, llama.cpp, llama.cpp-pld (pip install 'specdecode[llamacpp]'), openvino, "
+        "openvino-pld, openvino-draft:MODEL (pip install 'specdecode[openvino]'); a suffix "
         "@hf, @native or @native-int4 runs that row on other target weights than --backend/--quant; none (the "
         "baseline) is always included",
     )
