@@ -20,7 +20,7 @@ def write_report(config, records: list[dict], out_dir: Path, machine: dict, when
     if by_length:
         results["metrics_by_length"] = by_length
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "report.md").write_text(markdown(config, table, groups, machine, when, records))
+    (out_dir / "report.md").write_text(markdown(config, table, groups, machine, when, records, by_length))
     plot(table, config.methods, groups, out_dir)
     return table
 
@@ -36,7 +36,9 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
-def markdown(config, table: dict, groups: list[str], machine: dict, when: str, records: list[dict] = ()) -> str:
+def markdown(config, table: dict, groups: list[str], machine: dict, when: str, records: list[dict] = (),
+             by_length: dict | None = None) -> str:
+    """report.md; by_length: metrics_by_length's tables (the long suite), when there are any."""
     sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
     llama_cpp = any(m.startswith("llama.cpp") for m in config.methods)
     lines = [
@@ -86,7 +88,7 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
             weights.setdefault(record["method"], record["weights"])
     if weights:
         lines += ["", "Weights of the peer rows: " + "; ".join(f"`{m}` {w}" for m, w in weights.items()) + "."]
-    lines += _long_section(records, config.methods, groups)
+    lines += _long_section(by_length or {}, config.methods, groups)
     lines += _options_section(records)
     lines += [
         "",
@@ -123,10 +125,9 @@ def _questions_line(config, groups: list[str], machine: dict) -> str:
             f"MT-bench second turns answer the method's own first answer.")
 
 
-def _long_section(records: list[dict], methods: list[str], groups: list[str]) -> list[str]:
-    """Per length and group: prompt size, end-to-end tokens/s, time to first token, decode tokens/s, speedup; and
-    how often each method's answer held the needle's passphrase."""
-    by_length = metrics_by_length(records, methods, groups)
+def _long_section(by_length: dict, methods: list[str], groups: list[str]) -> list[str]:
+    """Per length and group (metrics_by_length): prompt size, end-to-end tokens/s, time to first token, decode
+    tokens/s, speedup; and how often each method's answer held the needle's passphrase."""
     if not by_length:
         return []
     lines = ["", "## Long inputs: per length and group", ""]

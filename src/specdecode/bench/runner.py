@@ -85,7 +85,7 @@ def run_bench(config: BenchConfig, questions: list[Question] | Callable[[object]
     the loaded target (the long suite is built with its tokenizer)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_config(config, out_dir)  # refuse a mismatched folder before the slow model loads
-    check_load_options(config.dtype, config.backend, config.quant)
+    check_load_options(config.dtype, config.backend, config.quant, config.kv_cache)
     loaded: dict[tuple, object] = {}
 
     def load(spec: str, weights: str | None = None, draft: bool = False):

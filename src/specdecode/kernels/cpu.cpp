@@ -1049,6 +1049,24 @@ GroupFn<T> group_avx2(int heads) {
   return table[heads];
 }
 
+// Query heads per part of a KV head's group: with fewer work items (rows or tiles, times KV heads) than threads (one
+// new token, one or two KV heads), each group is split across threads. A head's arithmetic does not depend on which
+// heads share its call, so no bit changes.
+int64_t heads_per_part(int64_t group, int64_t items) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = items >= threads ? 1 : std::min<int64_t>(group, (threads + items - 1) / items);
+  return (group + split - 1) / split;
+}
+
+// Calls fn(heads, head) for the query heads of part `part` of KV head h's group, at most MAX_GROUP at a time (head:
+// the first query head of the call).
+template <typename Fn>
+void for_head_chunks(int64_t h, int64_t group, int64_t part, int64_t span, Fn&& fn) {
+  const int64_t last = std::min(group, (part + 1) * span);
+  for (int64_t g0 = part * span; g0 < last; g0 += MAX_GROUP)
+    fn(static_cast<int>(std::min<int64_t>(MAX_GROUP, last - g0)), h * group + g0);
+}
+
 // Which keys a query row sees: [0, prefix) (the returned prefix), then `extra` in order; all n_keys without a mask.
 int64_t row_visibility(const bool* row, int64_t n_keys, std::vector<int64_t>& extra) {
   extra.clear();
@@ -1079,13 +1097,9 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
   const T* value_data = values.data_ptr<T>();
   float* out_data = out.data_ptr<float>();
   const auto qs = queries.strides(), ks = keys.strides(), vs = values.strides();
-  // Fewer tiles than threads (one new token, one or two KV heads): split each KV head's query heads across threads.
-  // A head's arithmetic does not depend on which heads share its tile, so no bit changes.
-  const int64_t threads = at::get_num_threads();
   const int64_t widest = std::max<int64_t>(1, TILE_VECTORS / std::min<int64_t>(group, MAX_GROUP));
-  const int64_t items = batch * hkv * ((q + widest - 1) / widest);
-  const int64_t split = items >= threads ? 1 : std::min<int64_t>(group, (threads + items - 1) / items);
-  const int64_t span = (group + split - 1) / split, parts = (group + span - 1) / span;  // query heads per part
+  const int64_t span = heads_per_part(group, batch * hkv * ((q + widest - 1) / widest));
+  const int64_t parts = (group + span - 1) / span;
   const int64_t rows = std::min<int64_t>(q, std::max<int64_t>(1, TILE_VECTORS / std::min<int64_t>(span, MAX_GROUP)));
   const int64_t tiles = (q + rows - 1) / rows;
   at::parallel_for(0, batch * hkv * parts * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -1113,10 +1127,7 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
       }
       const T* head_keys = key_data + b * ks[0] + h * ks[1];
       const T* head_values = value_data + b * vs[0] + h * vs[1];
-      const int64_t last = std::min(group, (part + 1) * span);
-      for (int64_t g0 = part * span; g0 < last; g0 += MAX_GROUP) {
-        const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, last - g0));
-        const int64_t head = h * group + g0;
+      for_head_chunks(h, group, part, span, [&](int heads, int64_t head) {
         const int64_t vectors = n_rows * heads;
         query_buf.resize(vectors * d + 16);  // the tile layout, 64-byte aligned below
         float* tile_queries = query_buf.data() + (16 - reinterpret_cast<uintptr_t>(query_buf.data()) / 4 % 16) % 16;
@@ -1131,7 +1142,7 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
         }
         attend_tile_avx512<T>(tile_queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2],
                               tile, d, float(scale), outs.data(), scores, sums);
-      }
+      });
     }
   });
 }
@@ -1140,6 +1151,8 @@ template <typename T>
 void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
   const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
+  if (isa >= AVX512 && d % 16 == 0) return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, out);
+  // AVX2 and scalar: one (row, KV head) item at a time
   const int64_t hkv = keys.size(1), group = hq / hkv;
   const bool masked = mask.defined() && mask.numel() > 0;
   const bool* mask_data = masked ? mask.data_ptr<bool>() : nullptr;
@@ -1149,12 +1162,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
   float* out_data = out.data_ptr<float>();
   const auto qs = queries.strides(), ks = keys.strides(), vs = values.strides();
   const int64_t mask_keys = masked ? mask.size(2) : 0;
-  if (isa >= AVX512 && d % 16 == 0) return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, out);
-  // Fewer (row, kv head) items than threads (one new token, one or two kv heads): split each item's query heads
-  // across threads. A head's arithmetic does not depend on which heads share its call, so no bit changes.
-  const int64_t items = batch * q * hkv, threads = at::get_num_threads();
-  const int64_t split = items >= threads ? 1 : std::min<int64_t>(group, (threads + items - 1) / items);
-  const int64_t span = (group + split - 1) / split, parts = (group + span - 1) / span;  // query heads per part
+  const int64_t items = batch * q * hkv, span = heads_per_part(group, items), parts = (group + span - 1) / span;
   at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> visible;
     std::vector<float> scores;
@@ -1171,10 +1179,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
       }
       const T* head_keys = key_data + b * ks[0] + h * ks[1];
       const T* head_values = value_data + b * vs[0] + h * vs[1];
-      const int64_t last = std::min(group, (part + 1) * span);
-      for (int64_t g0 = part * span; g0 < last; g0 += MAX_GROUP) {
-        const int heads = static_cast<int>(std::min<int64_t>(MAX_GROUP, last - g0));
-        const int64_t head = h * group + g0;
+      for_head_chunks(h, group, part, span, [&](int heads, int64_t head) {
         const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
         float* o = out_data + ((b * q + i) * hq + head) * d;
         if (isa >= AVX2 && d % 8 == 0)
@@ -1184,7 +1189,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
           for (int g = 0; g < heads; ++g)
             attend_row_scalar(query + g * qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale),
                               o + g * d, scores);
-      }
+      });
     }
   });
 }

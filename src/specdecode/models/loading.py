@@ -97,9 +97,7 @@ def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "au
     native file and the weights are local, else hf). kv_cache: the KV cache's format (cache/kv.py KV_CACHES)."""
     if isinstance(spec, CausalLM):
         return spec
-    check_load_options(dtype, backend, quant)
-    if kv_cache not in KV_CACHES:
-        raise SpecDecodeError(f"unknown KV cache format '{kv_cache}'.", f"Choose one of: {', '.join(KV_CACHES)}.")
+    check_load_options(dtype, backend, quant, kv_cache)
     source = resolve(spec)
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -128,10 +126,11 @@ def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "au
     return model
 
 
-def check_load_options(dtype: str, backend: str, quant: str) -> None:
+def check_load_options(dtype: str, backend: str, quant: str, kv_cache: str = "auto") -> None:
     from .native import QUANTS
 
-    for what, value, choices in (("dtype", dtype, DTYPES), ("backend", backend, BACKENDS), ("quant", quant, QUANTS)):
+    for what, value, choices in (("dtype", dtype, DTYPES), ("backend", backend, BACKENDS), ("quant", quant, QUANTS),
+                                 ("KV cache format", kv_cache, KV_CACHES)):
         if value not in choices:
             raise SpecDecodeError(f"unknown {what} '{value}'.", f"Choose one of: {', '.join(choices)}.")
     if backend == "hf" and quant != "none":

@@ -89,7 +89,8 @@ class LlamaModel(CausalLM):
         return weights.tensor(name).to(self.dtype)
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, KV_DTYPES.get(self.kv_cache, self.dtype))
+        dtype = KV_DTYPES.get(self.kv_cache, self.dtype)  # auto: the compute dtype
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype)
 
     def use_kv_cache(self, kv_cache: str) -> None:
         """f32 or bf16 keys and values for the row-exact kernels (they read either; every row reads the same rounded
