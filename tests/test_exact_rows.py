@@ -55,21 +55,61 @@ def test_many_rows_run_in_passes_and_each_row_is_still_computed_alone(isa, quant
     assert (y - reference).norm() <= 0.01 * reference.norm()
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def cache_of(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values [..., D] float32 in a KV cache format: float32, bfloat16 or int8 entries [..., D + 8]."""
+    return kernels.native().quantize_entries(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
+
+
+def dequantized(cache: torch.Tensor) -> torch.Tensor:
+    """A cache's entries as the float32 numbers they stand for."""
+    if cache.dtype != torch.int8:
+        return cache.float()
+    d = cache.shape[-1] - 8
+    scales = cache[..., d : d + 4].contiguous().view(torch.float32)  # [..., 1]
+    return cache[..., :d].float() * scales
+
+
+def expected_attention(queries, k_cache, v_cache, mask, keys: int, scale: float) -> torch.Tensor:
+    """torch's attention over the caches' first `keys` entries as float32: [B, q, Hq * D]."""
+    b, hq, q, d = queries.shape
+    group = hq // k_cache.shape[1]
+    return F.scaled_dot_product_attention(
+        queries, dequantized(k_cache[:, :, :keys]).repeat_interleave(group, 1),
+        dequantized(v_cache[:, :, :keys]).repeat_interleave(group, 1), attn_mask=mask[:, None], scale=scale,
+    ).transpose(1, 2).reshape(b, q, hq * d)
+
+
+def assert_attention_close(out, expected, kv_dtype):
+    """Float caches: the same function up to float32 rounding; int8: up to the queries' int8 rounding as well."""
+    if kv_dtype == torch.int8:
+        assert (out - expected).norm() <= 0.02 * expected.norm()
+    else:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_int8_entries_hold_codes_and_a_scale():
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    entries = kernels.native().quantize_entries(x)  # [2, 4 + 8]
+    assert entries.shape == (2, 12) and entries.dtype == torch.int8
+    assert entries[0, :4].tolist() == [64, -127, 32, 0]  # 0.5 * 127 = 63.5 -> 64 (to even); 0.25 * 127 -> 32
+    assert dequantized(entries)[0, 1].item() == pytest.approx(-1.0)
+    assert entries[1].tolist() == [0] * 12  # all zero: scale 0, codes 0
+
+
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
     torch.manual_seed(1)
-    b, hq, hkv, q, d, keys = 2, 6, 2, 5, 32, 30
+    b, hq, hkv, q, d, keys = 2, 6, 2, 5, 64, 30
     queries = torch.randn(b, hq, q, d)
-    k_cache, v_cache = torch.randn(b, hkv, 40, d).to(kv_dtype), torch.randn(b, hkv, 40, d).to(kv_dtype)
+    k_cache, v_cache = cache_of(torch.randn(b, hkv, 40, d), kv_dtype), cache_of(torch.randn(b, hkv, 40, d), kv_dtype)
     mask = torch.rand(b, q, keys) > 0.4
     mask[..., 0] = True
     out = on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, 0.2)  # [B, q, Hq*D]
-    expected = F.scaled_dot_product_attention(
-        queries, k_cache[:, :, :keys].float().repeat_interleave(3, 1), v_cache[:, :, :keys].float().repeat_interleave(3, 1),
-        attn_mask=mask[:, None], scale=0.2,
-    ).transpose(1, 2).reshape(b, q, hq * d)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    assert_attention_close(out, expected_attention(queries, k_cache, v_cache, mask, keys, 0.2), kv_dtype)
     # a row alone, over only its visible keys compacted (what a one-row decode step sees): the same bits
     for row, i in [(0, 0), (1, 3)]:
         visible = mask[row, i].nonzero()[:, 0]
@@ -81,7 +121,7 @@ def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
 
 
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq, hkv", [(6, 2), (3, 1), (7, 1), (4, 4), (16, 1)])
 def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, hkv):
     """At a long context the rows of a verification (or a prompt) share their keys, which the AVX-512 path reads once
@@ -92,7 +132,8 @@ def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, h
     b, q, d, context = 2, 13, 64, 2500
     keys = context + q
     queries = torch.randn(b, hq, q, d)
-    k_cache, v_cache = torch.randn(b, hkv, keys + 3, d).to(kv_dtype), torch.randn(b, hkv, keys + 3, d).to(kv_dtype)
+    k_cache = cache_of(torch.randn(b, hkv, keys + 3, d), kv_dtype)
+    v_cache = cache_of(torch.randn(b, hkv, keys + 3, d), kv_dtype)
     parents = [-1, 0, 1, 1, 0, 4, 5, 2, 3, 3, 6, 9, 11]  # a tree over the q new rows (row 0 the root)
     tree = ancestor_mask(torch.tensor(parents))  # [q, q]
     mask = torch.ones(b, q, keys, dtype=torch.bool)
@@ -108,11 +149,7 @@ def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, h
                 v_cache[row : row + 1, :, visible].contiguous(), None, len(visible), 0.125,
             )
             assert torch.equal(alone[0, 0], out[row, i]), f"batch row {row}, query row {i}"
-    expected = F.scaled_dot_product_attention(
-        queries, k_cache[:, :, :keys].float().repeat_interleave(hq // hkv, 1),
-        v_cache[:, :, :keys].float().repeat_interleave(hq // hkv, 1), attn_mask=mask[:, None], scale=0.125,
-    ).transpose(1, 2).reshape(b, q, hq * d)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    assert_attention_close(out, expected_attention(queries, k_cache, v_cache, mask, keys, 0.125), kv_dtype)
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -159,18 +196,19 @@ def test_fused_linear_gives_the_separate_ops_bits(isa, pre):
 
 
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("normed", [False, True])
-def test_attention_step_gives_the_separate_ops_bits(isa, normed):
+@pytest.mark.parametrize("normed, kv_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.int8)])
+def test_attention_step_gives_the_separate_ops_bits(isa, normed, kv_dtype):
     """Query/key norms, rotary, the cache write and attention in one native call: the same numbers as the separate
     kernels, the same cache entries, and a one-token call (its query heads split across threads) gives the row the
     batched call gave."""
     torch.manual_seed(4)
     ops = on(isa)
-    b, q, hq, hkv, d, capacity = 2, 3, 4, 1, 32, 12
+    b, q, hq, hkv, d, capacity = 2, 3, 4, 1, 64, 12
     qkv = torch.randn(b * q, (hq + 2 * hkv) * d)
     q_norm, k_norm = (torch.randn(d), torch.randn(d)) if normed else (None, None)
     cos, sin = torch.randn(b, q, d), torch.randn(b, q, d)
-    keys, values = torch.randn(b, hkv, capacity, d), torch.randn(b, hkv, capacity, d)
+    keys = cache_of(torch.randn(b, hkv, capacity, d), kv_dtype)
+    values = cache_of(torch.randn(b, hkv, capacity, d), kv_dtype)
     slots = torch.tensor([[4, 5, 6], [2, 3, 4]])  # row 1's cache is shorter; keys beyond its entries are masked
     mask = torch.zeros(b, q, 7, dtype=torch.bool)
     mask[0, :, :4] = mask[1, :, :2] = True
@@ -185,8 +223,8 @@ def test_attention_step_gives_the_separate_ops_bits(isa, normed):
     queries, new_keys = ops.rotary(queries, cos, sin), ops.rotary(new_keys, cos, sin)
     expected_keys, expected_values = keys.clone(), values.clone()
     for row in range(b):
-        expected_keys[row, :, slots[row]] = new_keys[row]
-        expected_values[row, :, slots[row]] = heads[row, hq + hkv :]
+        expected_keys[row, :, slots[row]] = cache_of(new_keys[row].contiguous(), kv_dtype)
+        expected_values[row, :, slots[row]] = cache_of(heads[row, hq + hkv :].contiguous(), kv_dtype)
     expected = ops.tree_attention(queries, expected_keys, expected_values, mask, 7, 0.3).view(b * q, hq * d)
 
     out = ops.attention_step(qkv, hq, hkv, q_norm, k_norm, 1e-6, cos, sin, keys, values, slots, 7, mask, 0.3)
@@ -233,12 +271,13 @@ def node_paths(draft: Draft, root: int) -> list[list[int]]:
     return paths
 
 
-@pytest.fixture(scope="module", params=["int4", "int8", "int4+bf16"])
+@pytest.fixture(scope="module", params=["int4", "int8", "int4+bf16", "int4+int8"])
 def quantized_smollm2(request, smollm2):
-    """Quantized weights, with a float32 KV cache or (+bf16) a bfloat16 one: the rows are exact with either."""
+    """Quantized weights, with a float32 KV cache or (+bf16, +int8) a bfloat16 or int8 one: the rows are exact with
+    each."""
     quant, _, kv_cache = request.param.partition("+")
     model = load_model("smollm2-135m-instruct", "bfloat16", quant=quant, kv_cache=kv_cache or "auto")
-    assert model.new_cache(1).keys.dtype == (torch.bfloat16 if kv_cache == "bf16" else torch.float32)
+    assert model.new_cache(1).keys.dtype == {"bf16": torch.bfloat16, "int8": torch.int8}.get(kv_cache, torch.float32)
     return model
 
 

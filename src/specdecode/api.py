@@ -55,7 +55,7 @@ class SpecDecoder:
         draft_quant: str | None = None,  # the draft model's weights (default: quant); the output does not depend on it
         governor: bool = True,  # run plain steps where speculation does not pay (see governor.py)
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,  # earlier requests' KV kept for reuse (0: none)
-        kv_cache: str = "auto",  # the KV cache's format: auto (the compute dtype), f32, bf16 (cache/kv.py)
+        kv_cache: str = "auto",  # the KV cache's format: auto (the compute dtype), f32, bf16, int8 (cache/kv.py)
         **drafter_options,
     ):
         self.target = load_model(model, dtype, backend, quant, kv_cache)

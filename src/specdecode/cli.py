@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .allocator import keep_freed_memory
 from .bench.questions import GROUPS
+from .cache.kv import KV_CACHES
 from .errors import SpecDecodeError
 
 
@@ -201,9 +202,9 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
         help="the draft model's own weights (default: --quant); only speed depends on it, never the output",
     )
     parser.add_argument(
-        "--kv-cache", default="auto", choices=["auto", "f32", "bf16"],
+        "--kv-cache", default="auto", choices=list(KV_CACHES),
         help="the KV cache's format with --quant int4/int8 (auto: float32; bf16 halves its memory and what a long "
-             "context's decode step reads, and changes the answers a little)",
+             "context's decode step reads, int8 quarters them; both change the answers a little)",
     )
 
 

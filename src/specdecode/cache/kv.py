@@ -14,15 +14,34 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHES = ("auto", "f32", "bf16")  # --kv-cache: auto = the model's compute dtype
-KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+KV_CACHES = ("auto", "f32", "bf16", "int8")  # --kv-cache: auto = the model's compute dtype
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+INT8_EXTRA = 8  # an int8 entry's bytes after its D codes: the float32 scale, 4 zero bytes (kernels' Q8_EXTRA)
+
+
+def entry_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements one cache entry (a token's key or value for one head) takes: D, or D codes + scale for int8, whose
+    entries only the native kernels write and read (kernels.quantize_entries)."""
+    return head_dim + (INT8_EXTRA if dtype == torch.int8 else 0)
+
+
+def as_entries(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values [..., D] as a cache of this dtype stores them."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    from .. import kernels
+
+    native = kernels.native()
+    if native is None:
+        raise RuntimeError("an int8 KV cache needs specdecode's native kernels")
+    return native.quantize_entries(x.float().contiguous())
 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
-        shape = (n_layers, 1, n_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)  # [L, 1, H, C, D]
-        self.values = torch.zeros(shape, dtype=dtype)  # [L, 1, H, C, D]
+        shape = (n_layers, 1, n_kv_heads, capacity, entry_width(head_dim, dtype))
+        self.keys = torch.zeros(shape, dtype=dtype)  # [L, 1, H, C, D] (int8: D + 8)
+        self.values = torch.zeros(shape, dtype=dtype)  # [L, 1, H, C, D] (int8: D + 8)
         self.positions = torch.zeros(capacity, dtype=torch.long)  # [C] position id of every entry
         self.capacity = capacity
         self.length = 0  # committed entries
@@ -43,8 +62,8 @@ class KVCache:
     def update(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
         """Write one layer's [1, H, q, D] keys/values into the reserved slots; return all entries so far."""
         q = new_keys.shape[-2]
-        self.keys[layer, :, :, self.end : self.end + q] = new_keys
-        self.values[layer, :, :, self.end : self.end + q] = new_values
+        self.keys[layer, :, :, self.end : self.end + q] = as_entries(new_keys, self.keys.dtype)
+        self.values[layer, :, :, self.end : self.end + q] = as_entries(new_values, self.values.dtype)
         return self.keys[layer, :, :, : self.end + q], self.values[layer, :, :, : self.end + q]
 
     def layer_store(self, layer: int, q: int):
@@ -173,8 +192,8 @@ class KVBatch:
         """Write one layer's [B, H, q, D] keys/values after each row's end; return [B, H, key_count, D] views."""
         rows = torch.arange(len(self.caches))[:, None]  # [B, 1]
         cols = self.ends[:, None] + torch.arange(self.q)  # [B, q]
-        self.keys[layer][rows, :, cols] = new_keys.transpose(1, 2)  # indexed view is [B, q, H, D]
-        self.values[layer][rows, :, cols] = new_values.transpose(1, 2)
+        self.keys[layer][rows, :, cols] = as_entries(new_keys, self.keys.dtype).transpose(1, 2)  # [B, q, H, D]
+        self.values[layer][rows, :, cols] = as_entries(new_values, self.values.dtype).transpose(1, 2)
         return self.keys[layer, :, :, : self.key_count], self.values[layer, :, :, : self.key_count]
 
     def layer_store(self, layer: int, q: int):

@@ -105,11 +105,16 @@ class Kernels:
         return self.module.quant_linear(x, packed, bits, ISAS.index(self.isa))
 
     def tree_attention(self, queries, keys, values, mask, n_keys: int, scale: float) -> torch.Tensor:
-        """queries [B, Hq, q, D] float32, keys/values [B, Hkv, >=n_keys, D], mask [B, q, >=n_keys] bool or None
-        -> [B, q, Hq*D] float32."""
+        """queries [B, Hq, q, D] float32, keys/values [B, Hkv, >=n_keys, D] float32 or bfloat16 (or int8 entries
+        [..., D + 8], quantize_entries), mask [B, q, >=n_keys] bool or None -> [B, q, Hq*D] float32."""
         return self.module.tree_attention(
             queries, keys, values, _or_empty(mask, torch.bool), n_keys, scale, ISAS.index(self.isa)
         )
+
+    def quantize_entries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] float32 -> the int8 KV cache's entries [..., D + 8] int8: per row, D symmetric codes, then the
+        float32 scale (value = scale * code) and 4 zero bytes."""
+        return self.module.quantize_entries(x)
 
 
     def fused_linear(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n_out: int, bias=None, norm=None,
@@ -125,7 +130,7 @@ class Kernels:
     def attention_step(self, qkv, hq: int, hkv: int, q_norm, k_norm, eps: float, cos, sin, keys, values, slots,
                        n_keys: int, mask, scale: float) -> torch.Tensor:
         """qkv [B*q, (Hq + 2 Hkv) D] float32 -> q/k norms (or None) -> rotary (cos, sin [B, q, D]) -> new keys and
-        values written into keys/values [B, Hkv, C, D] at columns slots [B, q] -> attention over n_keys keys (mask
+        values written into keys/values [B, Hkv, C, D] (or int8 entries) at columns slots [B, q] -> attention over n_keys keys (mask
         [B, q, >=n_keys] bool or None) -> [B*q, Hq D] float32."""
         return self.module.attention_step(
             qkv, hq, hkv, _or_empty(q_norm), _or_empty(k_norm), eps, cos, sin, keys, values, slots, n_keys,

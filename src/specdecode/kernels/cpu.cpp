@@ -72,18 +72,24 @@ struct QuantRows {
 // Round to nearest even (the default MXCSR mode), as _mm256_cvtps_epi32 does.
 inline int32_t round_even(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
 
-void quantize_block_scalar(const float* in, int8_t* codes, uint8_t* magnitudes, float& scale, int32_t& sum) {
+// Symmetric int8 codes of x[0..n): max|x| -> 127, rounded to nearest even; returns the scale max|x| / 127 and the
+// codes' sum. Activation blocks, KV cache entries and the queries that meet them are all quantized by this.
+float quantize_codes(const float* x, int64_t n, int8_t* codes, int32_t& sum) {
   float amax = 0.f;
-  for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(in[i]));
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-  scale = amax / 127.f;
   sum = 0;
-  for (int i = 0; i < BLOCK; ++i) {
-    const int32_t v = std::min(127, std::max(-127, round_even(in[i] * inverse)));
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t v = std::min(127, std::max(-127, round_even(x[i] * inverse)));
     codes[i] = static_cast<int8_t>(v);
-    magnitudes[i] = static_cast<uint8_t>(v < 0 ? -v : v);
     sum += v;
   }
+  return amax / 127.f;
+}
+
+void quantize_block_scalar(const float* in, int8_t* codes, uint8_t* magnitudes, float& scale, int32_t& sum) {
+  scale = quantize_codes(in, BLOCK, codes, sum);
+  for (int i = 0; i < BLOCK; ++i) magnitudes[i] = static_cast<uint8_t>(std::abs(codes[i]));
 }
 
 #pragma GCC push_options
@@ -642,8 +648,42 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
 // Attention.
 namespace {
 
+// The int8 KV cache format: per token and KV head, D int8 codes (quantize_codes) then the float32 scale and 4 zero
+// bytes, D + 8 bytes an entry (float32: 4 D). A value reads as float(code) * scale. A query meeting int8 keys is
+// quantized the same way per (row, head), so that its dot product with a key is exact in int32 on every path and
+// its score is float(dot) * (query scale * softmax scale * key scale), the same two roundings everywhere: rows stay
+// exact, and a quarter of float32's bytes stream from memory each step.
+constexpr int64_t Q8_EXTRA = 8;
+
+void quantize_entry(const float* x, int64_t d, int8_t* entry) {
+  int32_t sum;
+  const float scale = quantize_codes(x, d, entry, sum);
+  std::memcpy(entry + d, &scale, sizeof scale);
+  std::memset(entry + d + sizeof scale, 0, Q8_EXTRA - sizeof scale);
+}
+
+inline float entry_scale(const int8_t* entry, int64_t d) {
+  float scale;
+  std::memcpy(&scale, entry + d, sizeof scale);
+  return scale;
+}
+
+// A query against int8 keys: its codes, their sum and its factor (scale * softmax scale).
+struct QueryCodes {
+  std::vector<int8_t> codes;
+  int32_t sum = 0;
+  float factor = 0.f;
+  void quantize(const float* query, int64_t d, float softmax_scale) {
+    codes.resize(d);
+    factor = quantize_codes(query, d, codes.data(), sum) * softmax_scale;
+  }
+};
+
+// What every path computes from a key's exact integer dot product.
+inline float q8_score(int32_t dot, float factor, float key_scale) { return static_cast<float>(dot) * (factor * key_scale); }
+
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
 // exp(x) for x <= 0 (and -inf -> 0): Cody-Waite range reduction and a degree-6 polynomial, the same on every lane.
 inline __m512 exp512(__m512 x) {
@@ -670,23 +710,35 @@ inline float reduce16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(eighth, _mm_shuffle_ps(eighth, eighth, 0xB1)));
 }
 
-// Sixteen vectors v[0..15] (16 floats each, one after another) -> lane k = reduce16(v[k]), with reduce16's pairs:
-// each level adds the same two lanes of each vector, only several vectors share one instruction.
-inline __m512 reduce16x16(const float* v) {
+// Lane-wise a + b of float lanes, or (INT) of int32 lanes held in the same registers.
+template <bool INT>
+inline __m512 add_lanes(__m512 a, __m512 b) {
+  if constexpr (INT)
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  else
+    return _mm512_add_ps(a, b);
+}
+
+// Sixteen vectors v[0..15] (16 lanes each, one after another) -> lane k = reduce16(v[k]), with reduce16's pairs:
+// each level adds the same two lanes of each vector, only several vectors share one instruction. INT: the lanes are
+// int32 (exact sums: any order would do) and so is the result.
+template <bool INT = false>
+inline __m512 reduce16x16(const void* lanes) {
+  const float* v = static_cast<const float*>(lanes);
   __m512 level1[8], level2[4], level3[2];
   for (int p = 0; p < 8; ++p) {  // lanes i + i+8: [vector 2p | vector 2p+1], 8 lanes each
     const __m512 a = _mm512_loadu_ps(v + 32 * p), b = _mm512_loadu_ps(v + 32 * p + 16);
-    level1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    level1[p] = add_lanes<INT>(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
   }
   for (int p = 0; p < 4; ++p)  // lanes i + i+4: vectors 4p..4p+3, 4 lanes each
-    level2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(level1[2 * p], level1[2 * p + 1], 0x88),
-                              _mm512_shuffle_f32x4(level1[2 * p], level1[2 * p + 1], 0xDD));
+    level2[p] = add_lanes<INT>(_mm512_shuffle_f32x4(level1[2 * p], level1[2 * p + 1], 0x88),
+                               _mm512_shuffle_f32x4(level1[2 * p], level1[2 * p + 1], 0xDD));
   for (int p = 0; p < 2; ++p)  // lanes i + i+2: per 128-bit block t, vectors 8p+t and 8p+4+t, 2 lanes each
-    level3[p] = _mm512_add_ps(_mm512_shuffle_ps(level2[2 * p], level2[2 * p + 1], 0x44),
-                              _mm512_shuffle_ps(level2[2 * p], level2[2 * p + 1], 0xEE));
+    level3[p] = add_lanes<INT>(_mm512_shuffle_ps(level2[2 * p], level2[2 * p + 1], 0x44),
+                               _mm512_shuffle_ps(level2[2 * p], level2[2 * p + 1], 0xEE));
   // lanes i + i+1: lane 4t+u holds vector 4u+t; put vector k in lane k
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(level3[0], level3[1], 0x88),
-                                    _mm512_shuffle_ps(level3[0], level3[1], 0xDD));
+  const __m512 sums = add_lanes<INT>(_mm512_shuffle_ps(level3[0], level3[1], 0x88),
+                                     _mm512_shuffle_ps(level3[0], level3[1], 0xDD));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
@@ -694,6 +746,14 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Values c*16 .. c*16+15 of a cache entry (D values, then the int8 format's scale) as floats.
+template <typename T>
+inline __m512 value_chunk(const T* entry, int64_t c, int64_t) { return load16(entry + 16 * c); }
+inline __m512 value_chunk(const int8_t* entry, int64_t c, int64_t d) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(entry + 16 * c));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(entry_scale(entry, d)));
 }
 
 constexpr int KEYS_AHEAD = 16;  // keys (values) prefetched ahead of a long run: the cache streams from memory
@@ -742,16 +802,59 @@ inline void lane_sums(const float* queries, int64_t chunk_stride, int64_t chunks
       if (i < used) _mm512_store_ps(sums[m][slot + i], acc[m][i]);
 }
 
-// Scores of M query vectors (queries: vector m's chunk c at queries[c * vectors * 16 + m * 16]) against a run of keys:
-// score (m, j) = reduce16(the 16-lane sums of q * k over D in order) * scale, written to scores at visible index
-// first + j, its maximum folded into best[m]. Each key is loaded once for all M vectors; the 16 lane sums of 16 keys
-// are reduced at once (reduce16x16).
+// The int32 lane sums of (key code + 128) * query code over D in order (one vpdpbusd per chunk of 64) for MB query
+// vectors and KEY_BLOCK keys, stored to sums[m][slot + i] for the first `used` keys. The keys are the unsigned
+// operand: a vector's 16 lanes then sum to its dot product + 128 * its code sum.
+template <int MB>
+inline void lane_dots(const int8_t* queries, int64_t chunk_stride, int64_t chunks, const int8_t* const* key, int used,
+                      int32_t (*sums)[16][16], int slot) {
+  __m512i acc[MB][KEY_BLOCK];
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int i = 0; i < KEY_BLOCK; ++i) acc[m][i] = _mm512_setzero_si512();
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* query = queries;
+  for (int64_t c = 0; c < chunks; ++c, query += chunk_stride) {
+    __m512i k[KEY_BLOCK];
+#pragma GCC unroll 4
+    for (int i = 0; i < KEY_BLOCK; ++i) k[i] = _mm512_xor_si512(_mm512_loadu_si512(key[i] + 64 * c), bias);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m512i q = _mm512_loadu_si512(query + m * 64);
+#pragma GCC unroll 4
+      for (int i = 0; i < KEY_BLOCK; ++i) acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], k[i], q);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int i = 0; i < KEY_BLOCK; ++i)
+      if (i < used) _mm512_store_si512(sums[m][slot + i], acc[m][i]);
+}
+
+// A tile's queries: float (vector m's chunk c of 16 at f[(c * vectors + m) * 16]) and, against an int8 cache, their
+// codes (vector m's chunk c of 64 at codes[(c * vectors + m) * 64]), code sums and factors (QueryCodes).
+struct TileQueries {
+  const float* f;
+  const int8_t* codes;
+  const int32_t* code_sums;
+  const float* factors;
+  int64_t vectors;
+};
+
+// Scores of M query vectors (vectors m0 .. m0+M-1 of the tile) against a run of keys, written to scores (pointing at
+// vector m0 of the scores layout) at visible index first + j, their maximum folded into best[m]. Float keys: score =
+// reduce16(the 16-lane sums of q * k over D in order) * scale; int8 keys: q8_score of the exact dot product. Each key
+// is loaded once for all M vectors; the lane sums of 16 keys are reduced at once (reduce16x16).
 template <int M, typename T>
-void score_run(const float* queries, int64_t vectors, int64_t d, const T* keys, int64_t key_stride, KeyRun run,
+void score_run(const TileQueries& tile, int64_t m0, int64_t d, const T* keys, int64_t key_stride, KeyRun run,
                float scale, float* scores, int64_t first, __m512* best) {
-  alignas(64) float sums[M][16][16];
-  alignas(64) float lanes[16];
-  const int64_t chunks = d / 16, chunk_stride = vectors * 16;
+  constexpr bool q8 = std::is_same_v<T, int8_t>;
+  using Lane = std::conditional_t<q8, int32_t, float>;
+  alignas(64) Lane sums[M][16][16];
+  alignas(64) float lanes[16], key_scales[16] = {};
+  const int64_t vectors = tile.vectors;
   for (int64_t j0 = 0; j0 < run.count; j0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, run.count - j0));
     for (int jj = 0; jj < n; jj += KEY_BLOCK) {
@@ -759,19 +862,39 @@ void score_run(const float* queries, int64_t vectors, int64_t d, const T* keys, 
       const T* key[KEY_BLOCK];
       for (int i = 0; i < KEY_BLOCK; ++i) key[i] = keys + run.key(j0 + jj + std::min(i, used - 1)) * key_stride;
       if (run.list == nullptr)  // a long run streams from memory: ask for the keys KEYS_AHEAD on
-        for (int64_t line = 0; line < KEY_BLOCK * d * int64_t(sizeof(T)); line += 64)
+        for (int64_t line = 0; line < KEY_BLOCK * key_stride * int64_t(sizeof(T)); line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(key[0] + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
+      if constexpr (q8) {
+        for (int i = 0; i < used; ++i) key_scales[jj + i] = entry_scale(key[i], d);
+        const int8_t* queries = tile.codes + m0 * 64;
 #pragma GCC unroll 8
-      for (int m0 = 0; m0 + VECTOR_BLOCK <= M; m0 += VECTOR_BLOCK)
-        lane_sums<VECTOR_BLOCK, T>(queries + m0 * 16, chunk_stride, chunks, key, used, &sums[m0], jj);
-      if constexpr (M % VECTOR_BLOCK != 0)
-        lane_sums<M % VECTOR_BLOCK, T>(queries + (M - M % VECTOR_BLOCK) * 16, chunk_stride, chunks, key, used,
-                                       &sums[M - M % VECTOR_BLOCK], jj);
+        for (int mb = 0; mb + VECTOR_BLOCK <= M; mb += VECTOR_BLOCK)
+          lane_dots<VECTOR_BLOCK>(queries + mb * 64, vectors * 64, d / 64, key, used, &sums[mb], jj);
+        if constexpr (M % VECTOR_BLOCK != 0)
+          lane_dots<M % VECTOR_BLOCK>(queries + (M - M % VECTOR_BLOCK) * 64, vectors * 64, d / 64, key, used,
+                                      &sums[M - M % VECTOR_BLOCK], jj);
+      } else {
+        const float* queries = tile.f + m0 * 16;
+#pragma GCC unroll 8
+        for (int mb = 0; mb + VECTOR_BLOCK <= M; mb += VECTOR_BLOCK)
+          lane_sums<VECTOR_BLOCK, T>(queries + mb * 16, vectors * 16, d / 16, key, used, &sums[mb], jj);
+        if constexpr (M % VECTOR_BLOCK != 0)
+          lane_sums<M % VECTOR_BLOCK, T>(queries + (M - M % VECTOR_BLOCK) * 16, vectors * 16, d / 16, key, used,
+                                         &sums[M - M % VECTOR_BLOCK], jj);
+      }
     }
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const int64_t at = first + j0;  // visible index of this group's first key
     for (int m = 0; m < M; ++m) {
-      const __m512 s = _mm512_mul_ps(reduce16x16(&sums[m][0][0]), _mm512_set1_ps(scale));
+      __m512 s;
+      if constexpr (q8) {  // q8_score, sixteen keys at once
+        const __m512i raw = _mm512_castps_si512(reduce16x16<true>(&sums[m][0][0]));
+        const __m512i dots = _mm512_sub_epi32(raw, _mm512_set1_epi32(128 * tile.code_sums[m0 + m]));
+        s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots),
+                          _mm512_mul_ps(_mm512_set1_ps(tile.factors[m0 + m]), _mm512_load_ps(key_scales)));
+      } else {
+        s = _mm512_mul_ps(reduce16x16(&sums[m][0][0]), _mm512_set1_ps(scale));
+      }
       best[m] = _mm512_mask_max_ps(best[m], live, best[m], s);
       if ((at & 15) == 0) {  // the group is one block of the layout
         _mm512_mask_storeu_ps(scores + score_at(vectors, m, at), live, s);
@@ -810,14 +933,14 @@ void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t va
 #pragma GCC unroll 24
     for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
   for (int64_t j = 0; j < run.count; ++j) {
-    const T* value = values + run.key(j) * value_stride + 16 * c0;
+    const T* value = values + run.key(j) * value_stride;
     if (run.list == nullptr)
       for (int64_t line = 0; line < 16 * S * int64_t(sizeof(T)); line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride + 16 * c0) + line, _MM_HINT_T0);
     const float* p = probs + score_at(vectors, 0, first + j);  // vector m's at p[m * 16]
 #pragma GCC unroll 24
     for (int c = 0; c < S; ++c) {
-      const __m512 v = load16(value + 16 * c);
+      const __m512 v = value_chunk(value, c0 + c, d);
 #pragma GCC unroll 24  // unrolled, or GCC keeps the accumulators in memory
       for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[m * 16]), v, acc[m][c]);
     }
@@ -844,7 +967,8 @@ void weigh_run(const float* probs, int64_t vectors, const T* values, int64_t val
 constexpr int TILE_VECTORS = 24;  // query vectors (rows x heads) scored together: their sums stay in registers
 
 template <typename T>
-using ScoreFn = void (*)(const float*, int64_t, int64_t, const T*, int64_t, KeyRun, float, float*, int64_t, __m512*);
+using ScoreFn = void (*)(const TileQueries&, int64_t, int64_t, const T*, int64_t, KeyRun, float, float*, int64_t,
+                         __m512*);
 template <typename T>
 using WeighFn = void (*)(const float*, int64_t, const T*, int64_t, KeyRun, int64_t, int64_t, float*);
 
@@ -871,7 +995,7 @@ struct TileKeys {
 // exactly the arithmetic it gets alone: the same scores, maximum, softmax total and value sums, in the same order
 // (shared keys, then its tail); only the loads are shared.
 template <typename T>
-void attend_tile_avx512(const float* queries, int rows, int heads, const T* keys, const T* values,
+void attend_tile_avx512(const TileQueries& queries, int rows, int heads, const T* keys, const T* values,
                         int64_t key_stride, int64_t value_stride, const TileKeys& tile, int64_t d, float scale,
                         float* const* out, std::vector<float>& scores, std::vector<float>& sums) {
   const int m_all = rows * heads;
@@ -883,12 +1007,12 @@ void attend_tile_avx512(const float* queries, int rows, int heads, const T* keys
   for (int m = 0; m < m_all; ++m) best[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const auto all = std::make_index_sequence<TILE_VECTORS>();
   const KeyRun shared{nullptr, 0, tile.shared};
-  score_fn<T>(m_all, all)(queries, m_all, d, keys, key_stride, shared, scale, scores.data(), 0, best);
+  score_fn<T>(m_all, all)(queries, 0, d, keys, key_stride, shared, scale, scores.data(), 0, best);
   for (int r = 0; r < rows; ++r) {
     const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
     if (tail.count)
-      score_fn<T>(heads, all)(queries + r * heads * 16, m_all, d, keys, key_stride, tail, scale,
-                              scores.data() + r * heads * 16, tile.shared, best + r * heads);
+      score_fn<T>(heads, all)(queries, r * heads, d, keys, key_stride, tail, scale, scores.data() + r * heads * 16,
+                              tile.shared, best + r * heads);
   }
   float inverse[TILE_VECTORS];
   for (int m = 0; m < m_all; ++m)
@@ -947,6 +1071,66 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+template <typename T>
+inline __m256 value_chunk8(const T* entry, int64_t c, int64_t) { return load8(entry + 8 * c); }
+inline __m256 value_chunk8(const int8_t* entry, int64_t c, int64_t d) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(entry + 8 * c));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), _mm256_set1_ps(entry_scale(entry, d)));
+}
+
+// G query heads' scores against one visible key after another: score[g * padded + j], maxima in best[g]. Float keys:
+// 8-lane FMA sums over D, reduce256, times scale; int8 keys (D a multiple of 16): exact dot products (codes widened
+// to int16, vpmaddwd), then q8_score.
+template <int G, typename T>
+void scores_avx2(const float* query, int64_t query_stride, const T* keys, int64_t key_stride,
+                 const std::vector<int64_t>& visible, int64_t d, float scale, float* scores, int64_t padded,
+                 float* best) {
+  constexpr bool q8 = std::is_same_v<T, int8_t>;
+  alignas(32) int16_t codes[q8 ? G : 1][q8 ? 256 : 1];
+  float factor[G];
+  if constexpr (q8) {
+    TORCH_CHECK(d <= 256, "int8 KV cache: head_dim above 256");
+    QueryCodes quantized;
+    for (int g = 0; g < G; ++g) {
+      quantized.quantize(query + g * query_stride, d, scale);
+      factor[g] = quantized.factor;
+      std::copy(quantized.codes.begin(), quantized.codes.end(), codes[g]);
+    }
+  }
+  for (size_t j = 0; j < visible.size(); ++j) {
+    const T* key = keys + visible[j] * key_stride;
+    float s[G];
+    if constexpr (q8) {
+      __m256i acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m256i k = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key + c)));
+        for (int g = 0; g < G; ++g)
+          acc[g] = _mm256_add_epi32(
+              acc[g], _mm256_madd_epi16(k, _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[g] + c))));
+      }
+      for (int g = 0; g < G; ++g) {
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[g]), _mm256_extracti128_si256(acc[g], 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        s[g] = q8_score(_mm_cvtsi128_si32(t), factor[g], entry_scale(key, d));
+      }
+    } else {
+      __m256 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 k = load8(key + c);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(query + g * query_stride + c), k, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) s[g] = reduce256(acc[g]) * scale;
+    }
+    for (int g = 0; g < G; ++g) {
+      scores[g * padded + j] = s[g];
+      best[g] = std::max(best[g], s[g]);
+    }
+  }
+}
+
 // attend_group_avx512 with 8 lanes (16 registers: fewer accumulators per pass).
 template <int G, typename T>
 void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, const T* values, int64_t key_stride,
@@ -957,20 +1141,7 @@ void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, 
   scores.assign(G * padded, -std::numeric_limits<float>::infinity());  // [G, padded]
   float best[G];
   for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* key = keys + visible[j] * key_stride;
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 k = load8(key + 8 * c);
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(query + g * query_stride + 8 * c), k, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) {
-      const float s = reduce256(acc[g]) * scale;
-      scores[g * padded + j] = s;
-      best[g] = std::max(best[g], s);
-    }
-  }
+  scores_avx2<G, T>(query, query_stride, keys, key_stride, visible, d, scale, scores.data(), padded, best);
   float inverse[G];
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int g = 0; g < G; ++g) {
@@ -993,10 +1164,10 @@ void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, 
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < SPAN; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const T* value = values + visible[j] * value_stride + 8 * c0;
+      const T* value = values + visible[j] * value_stride;
       for (int c = 0; c < SPAN; ++c) {
         if (c >= span) break;
-        const __m256 v = load8(value + 8 * c);
+        const __m256 v = value_chunk8(value, c0 + c, d);
         for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * padded + j]), v, acc[g][c]);
       }
     }
@@ -1009,21 +1180,34 @@ void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, 
 
 #pragma GCC pop_options
 
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+// Value c of a cache entry as a float.
+inline float value_at(const float* entry, int64_t c, int64_t) { return entry[c]; }
+inline float value_at(const at::BFloat16* entry, int64_t c, int64_t) { return static_cast<float>(entry[c]); }
+inline float value_at(const int8_t* entry, int64_t c, int64_t d) {
+  return static_cast<float>(entry[c]) * entry_scale(entry, d);
+}
 
 template <typename T>
 void attend_row_scalar(const float* query, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
                        const std::vector<int64_t>& visible, int64_t d, float scale, float* out,
                        std::vector<float>& scores) {
+  constexpr bool q8 = std::is_same_v<T, int8_t>;
   const int64_t n = static_cast<int64_t>(visible.size());
   scores.assign(n, 0.f);
+  QueryCodes quantized;
+  if constexpr (q8) quantized.quantize(query, d, scale);
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     const T* key = keys + visible[j] * key_stride;
-    float acc = 0.f;
-    for (int64_t c = 0; c < d; ++c) acc = std::fma(query[c], to_float(key[c]), acc);
-    scores[j] = acc * scale;
+    if constexpr (q8) {
+      int32_t dot = 0;
+      for (int64_t c = 0; c < d; ++c) dot += int32_t(quantized.codes[c]) * int32_t(key[c]);
+      scores[j] = q8_score(dot, quantized.factor, entry_scale(key, d));
+    } else {
+      float acc = 0.f;
+      for (int64_t c = 0; c < d; ++c) acc = std::fma(query[c], value_at(key, c, d), acc);
+      scores[j] = acc * scale;
+    }
     best = std::max(best, scores[j]);
   }
   float total = 0.f;
@@ -1031,7 +1215,7 @@ void attend_row_scalar(const float* query, const T* keys, const T* values, int64
   for (int64_t c = 0; c < d; ++c) out[c] = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const T* value = values + visible[j] * value_stride;
-    for (int64_t c = 0; c < d; ++c) out[c] = std::fma(scores[j], to_float(value[c]), out[c]);
+    for (int64_t c = 0; c < d; ++c) out[c] = std::fma(scores[j], value_at(value, c, d), out[c]);
   }
   for (int64_t c = 0; c < d; ++c) out[c] *= 1.f / total;
 }
@@ -1105,7 +1289,10 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
   at::parallel_for(0, batch * hkv * parts * tiles, 1, [&](int64_t begin, int64_t end) {
     TileKeys tile;
     std::vector<int64_t> prefixes;
-    std::vector<float> query_buf, scores, sums;
+    std::vector<float> query_buf, scores, sums, factors;
+    std::vector<int8_t> code_buf;
+    std::vector<int32_t> code_sums;
+    QueryCodes query_codes;
     std::vector<float*> outs;
     for (int64_t work = begin; work < end; ++work) {
       // tiles cost more the later their rows (causal prompts): alternate cheap and dear ones so that each thread's
@@ -1131,17 +1318,29 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
         const int64_t vectors = n_rows * heads;
         query_buf.resize(vectors * d + 16);  // the tile layout, 64-byte aligned below
         float* tile_queries = query_buf.data() + (16 - reinterpret_cast<uintptr_t>(query_buf.data()) / 4 % 16) % 16;
+        code_buf.resize(std::is_same_v<T, int8_t> ? vectors * d : 0);
+        code_sums.resize(vectors);
+        factors.resize(vectors);
         outs.resize(n_rows);
         for (int64_t r = 0; r < n_rows; ++r) {
           for (int g = 0; g < heads; ++g) {
+            const int64_t m = r * heads + g;
             const float* query = query_data + b * qs[0] + (head + g) * qs[1] + (i0 + r) * qs[2];
             for (int64_t c = 0; c < d / 16; ++c)
-              std::memcpy(tile_queries + (c * vectors + r * heads + g) * 16, query + 16 * c, 16 * sizeof(float));
+              std::memcpy(tile_queries + (c * vectors + m) * 16, query + 16 * c, 16 * sizeof(float));
+            if constexpr (std::is_same_v<T, int8_t>) {
+              query_codes.quantize(query, d, float(scale));
+              code_sums[m] = query_codes.sum;
+              factors[m] = query_codes.factor;
+              for (int64_t c = 0; c < d / 64; ++c)
+                std::memcpy(code_buf.data() + (c * vectors + m) * 64, query_codes.codes.data() + 64 * c, 64);
+            }
           }
           outs[r] = out_data + ((b * q + i0 + r) * hq + head) * d;
         }
-        attend_tile_avx512<T>(tile_queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2],
-                              tile, d, float(scale), outs.data(), scores, sums);
+        const TileQueries queries{tile_queries, code_buf.data(), code_sums.data(), factors.data(), vectors};
+        attend_tile_avx512<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile, d,
+                              float(scale), outs.data(), scores, sums);
       });
     }
   });
@@ -1151,7 +1350,8 @@ template <typename T>
 void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
   const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
-  if (isa >= AVX512 && d % 16 == 0) return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, out);
+  if (isa >= AVX512 && d % (std::is_same_v<T, int8_t> ? 64 : 16) == 0)
+    return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, out);
   // AVX2 and scalar: one (row, KV head) item at a time
   const int64_t hkv = keys.size(1), group = hq / hkv;
   const bool masked = mask.defined() && mask.numel() > 0;
@@ -1182,7 +1382,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
       for_head_chunks(h, group, part, span, [&](int heads, int64_t head) {
         const float* query = query_data + b * qs[0] + head * qs[1] + i * qs[2];
         float* o = out_data + ((b * q + i) * hq + head) * d;
-        if (isa >= AVX2 && d % 8 == 0)
+        if (isa >= AVX2 && d % (std::is_same_v<T, int8_t> ? 16 : 8) == 0)
           group_avx2<T>(heads)(query, qs[1], head_keys, head_values, ks[2], vs[2], visible, d, float(scale), o,
                                scores);
         else
@@ -1194,25 +1394,57 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
   });
 }
 
+// The head dimension of a KV cache tensor [B, Hkv, C, width]: its width, less Q8_EXTRA for int8 entries.
+int64_t cache_head_dim(const torch::Tensor& cache) {
+  return cache.size(3) - (cache.scalar_type() == torch::kChar ? Q8_EXTRA : 0);
+}
+
+// fn(T{}) with T the element type of a KV cache's format: float32, bfloat16 or int8 entries.
+template <typename Fn>
+void with_cache_type(const torch::Tensor& cache, Fn&& fn) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat32: return fn(float{});
+    case torch::kBFloat16: return fn(at::BFloat16{});
+    case torch::kChar: return fn(int8_t{});
+    default: TORCH_CHECK(false, "keys/values must be float32, bfloat16 or int8 entries");
+  }
+}
+
 }  // namespace
 
-// queries [B, Hq, q, D] float32 (last dim contiguous), keys/values [B, Hkv, >=n_keys, D] (float32 or bfloat16, last
-// dim contiguous), mask [B, q, >=n_keys] bool or empty (all n_keys visible) -> [B, q, Hq * D] float32.
+// queries [B, Hq, q, D] float32 (last dim contiguous), keys/values [B, Hkv, >=n_keys, D] (float32 or bfloat16) or
+// [B, Hkv, >=n_keys, D + 8] (int8 entries, quantize_entries), last dim contiguous, mask [B, q, >=n_keys] bool or empty
+// (all n_keys visible) -> [B, q, Hq * D] float32.
 torch::Tensor tree_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values, torch::Tensor mask,
                              int64_t n_keys, double scale, int64_t isa) {
   TORCH_CHECK(queries.scalar_type() == torch::kFloat32 && queries.stride(3) == 1, "queries: float32, D contiguous");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type() && keys.stride(3) == 1 && values.stride(3) == 1,
               "keys/values: one dtype, D contiguous");
+  TORCH_CHECK(cache_head_dim(keys) == queries.size(3) && cache_head_dim(values) == queries.size(3),
+              "keys/values do not match the queries' head_dim");
   TORCH_CHECK(queries.size(1) % keys.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(!mask.defined() || mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.is_contiguous()),
               "mask: contiguous bool");
   auto out = torch::empty({queries.size(0), queries.size(2), queries.size(1) * queries.size(3)}, queries.options());
-  if (keys.scalar_type() == torch::kFloat32)
-    attention_impl<float>(queries, keys, values, mask, n_keys, scale, isa, out);
-  else if (keys.scalar_type() == torch::kBFloat16)
-    attention_impl<at::BFloat16>(queries, keys, values, mask, n_keys, scale, isa, out);
-  else
-    TORCH_CHECK(false, "keys/values must be float32 or bfloat16");
+  with_cache_type(keys, [&](auto type) {
+    attention_impl<decltype(type)>(queries, keys, values, mask, n_keys, scale, isa, out);
+  });
+  return out;
+}
+
+// x [..., D] float32 -> the int8 KV cache's entries [..., D + 8] (D codes, the float32 scale, 4 zero bytes).
+torch::Tensor quantize_entries(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() >= 1, "x must be float32 [..., D]");
+  const auto rows = x.contiguous().view({-1, x.size(-1)});
+  const int64_t d = rows.size(1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = d + Q8_EXTRA;
+  auto out = torch::empty(sizes, x.options().dtype(torch::kChar));
+  const float* source = rows.data_ptr<float>();
+  int8_t* target = out.data_ptr<int8_t>();
+  at::parallel_for(0, rows.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_entry(source + r * d, d, target + r * (d + Q8_EXTRA));
+  });
   return out;
 }
 
@@ -1473,13 +1705,16 @@ torch::Tensor fused_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
 
 // The attention step of a decoder layer from its fused projections: qkv [B*q, (Hq + 2 Hkv) D] float32 rows ->
 // per-head norms (q_norm, k_norm [D] or empty) -> rotary (cos, sin [B, q, D]) -> the new keys and values written
-// into the layer's cache keys/values [B, Hkv, C, D] (float32, or bfloat16 rounded to nearest even) at columns
+// into the layer's cache keys/values [B, Hkv, C, D] (float32, or bfloat16 rounded to nearest even; int8 entries
+// [B, Hkv, C, D + 8]) at columns
 // slots [B, q] -> attention over n_keys keys (mask [B, q, >= n_keys] bool or empty) -> [B*q, Hq D]. The rows read
 // their own new keys from the cache, rounded as a later step will read them.
 template <typename T>
 void write_cache_row(const float* source, int64_t d, T* target) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(target, source, d * sizeof(float));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    quantize_entry(source, d, target);
   } else {
     for (int64_t c = 0; c < d; ++c) target[c] = static_cast<T>(source[c]);
   }
@@ -1490,7 +1725,7 @@ void write_step_entries(const torch::Tensor& qkv, int64_t hq, int64_t hkv, const
                         const torch::Tensor& k_norm, float eps, const torch::Tensor& cos, const torch::Tensor& sin,
                         torch::Tensor& keys, torch::Tensor& values, const int64_t* slot, int64_t q,
                         torch::Tensor& queries, int64_t isa) {
-  const int64_t b = keys.size(0), d = keys.size(3);
+  const int64_t b = keys.size(0), d = cache_head_dim(keys);
   const bool q_normed = q_norm.defined() && q_norm.numel() > 0, k_normed = k_norm.defined() && k_norm.numel() > 0;
   const float* source = qkv.data_ptr<float>();
   float* query_data = queries.data_ptr<float>();
@@ -1527,11 +1762,10 @@ torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::
                              double eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
                              torch::Tensor values, torch::Tensor slots, int64_t n_keys, torch::Tensor mask,
                              double scale, int64_t isa) {
-  const bool bf16 = keys.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(keys.dim() == 4 && (bf16 || keys.scalar_type() == torch::kFloat32) &&
-                  values.scalar_type() == keys.scalar_type() && keys.stride(3) == 1 && values.stride(3) == 1,
-              "keys/values must be [B, Hkv, C, D] float32 or bfloat16");
-  const int64_t b = keys.size(0), d = keys.size(3), heads = hq + 2 * hkv;
+  TORCH_CHECK(keys.dim() == 4 && values.scalar_type() == keys.scalar_type() && keys.stride(3) == 1 &&
+                  values.stride(3) == 1 && values.size(3) == keys.size(3),
+              "keys/values must be [B, Hkv, C, D] float32 or bfloat16, or [B, Hkv, C, D + 8] int8 entries");
+  const int64_t b = keys.size(0), d = cache_head_dim(keys), heads = hq + 2 * hkv;
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == b && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
               "slots must be [B, q] int64");
   const int64_t q = slots.size(1);
@@ -1554,13 +1788,11 @@ torch::Tensor attention_step(torch::Tensor qkv, int64_t hq, int64_t hkv, torch::
   auto queries = torch::empty({b, hq, q, d}, qkv.options());
   auto out = torch::empty({b, q, hq * d}, qkv.options());
   const float fe = static_cast<float>(eps);
-  if (bf16) {
-    write_step_entries<at::BFloat16>(qkv, hq, hkv, q_norm, k_norm, fe, cos, sin, keys, values, slot, q, queries, isa);
-    attention_impl<at::BFloat16>(queries, keys, values, mask, n_keys, scale, isa, out);
-  } else {
-    write_step_entries<float>(qkv, hq, hkv, q_norm, k_norm, fe, cos, sin, keys, values, slot, q, queries, isa);
-    attention_impl<float>(queries, keys, values, mask, n_keys, scale, isa, out);
-  }
+  with_cache_type(keys, [&](auto type) {
+    using T = decltype(type);
+    write_step_entries<T>(qkv, hq, hkv, q_norm, k_norm, fe, cos, sin, keys, values, slot, q, queries, isa);
+    attention_impl<T>(queries, keys, values, mask, n_keys, scale, isa, out);
+  });
   return out.view({b * q, hq * d});
 }
 
@@ -1571,6 +1803,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("glu", &glu, "act(gate) * up per row, rows independent");
   m.def("quant_linear", &quant_linear, "int4/int8 weights x int8 activations, rows independent");
   m.def("tree_attention", &tree_attention, "attention over each row's visible keys, rows independent");
+  m.def("quantize_entries", &quantize_entries, "float32 keys or values -> int8 KV cache entries");
   m.def("fused_linear", &fused_linear, "norm or glu, linear, bias, post-norm, residual add in one call");
   m.def("attention_step", &attention_step, "q/k norms, rotary, cache write and attention in one call");
 }

@@ -93,8 +93,8 @@ class LlamaModel(CausalLM):
         return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, dtype)
 
     def use_kv_cache(self, kv_cache: str) -> None:
-        """f32 or bf16 keys and values for the row-exact kernels (they read either; every row reads the same rounded
-        entries, so rows stay exact); torch's kernels keep the compute dtype."""
+        """f32, bf16 or int8 keys and values for the row-exact kernels (they read each; every row reads the same
+        rounded entries, so rows stay exact); torch's kernels keep the compute dtype."""
         if kv_cache != "auto" and not self.ops.exact:
             super().use_kv_cache(kv_cache)
         self.kv_cache = kv_cache
