@@ -29,6 +29,15 @@ def test_keep_moves_the_accepted_path_into_place():
     assert cache.positions[:7].tolist() == list(range(7))
 
 
+def test_repeat_to_fills_a_long_timing_context_with_copies():
+    cache = filled_cache(3, 0)
+    cache.repeat_to(8)
+    assert (cache.length, cache.end) == (8, 8)
+    assert cache.keys[1, 0, 0, :8, 0].tolist() == [0, 2, 4, 0, 2, 4, 0, 2]
+    assert cache.values[0, 0, 0, :8, 0].tolist() == [0, -1, -2, 0, -1, -2, 0, -1]
+    assert cache.positions[:8].tolist() == list(range(8))
+
+
 def test_truncate_and_discard_are_o1_rollbacks():
     cache = filled_cache(6, 3)
     cache.discard()

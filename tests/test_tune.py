@@ -4,6 +4,7 @@ tuned_drafter picks up (explicit options and profile=none win)."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 
@@ -227,3 +228,34 @@ def test_cost_is_measured_after_the_context_asked_and_cached_apart():
     assert report["context"] == 40 and [point["rows"] for point in report["curve"]] == list(machine.ROWS)
     assert machine.curve_path(target, 40) != machine.curve_path(target)
     assert machine.curve_path(target, machine.CONTEXT) == machine.curve_path(target)
+
+
+def test_drafts_are_capped_by_the_curves_of_longer_contexts(tiny_pair, tmp_path, monkeypatch):
+    """Verification steepens with the context: where a curve after N tokens is cached, a drafter sized on the
+    short-context curve keeps its drafts, after N tokens, within the sizes that pay on that curve; the output stays
+    plain decoding's."""
+    from specdecode.engine import generate
+    from specdecode.sampling import SamplingParams
+    from specdecode.tune import machine
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    target, draft_model = tiny_pair
+    flat = {1: 1.0, 2: 1.0, 4: 1.02, 8: 1.05, 16: 1.1, 32: 1.3}
+    steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0, 32: 30.0}
+    for context, curve in ((machine.CONTEXT, flat), (600, steep)):
+        path = machine.curve_path(target, context)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"context": context, "curve": [{"rows": q, "ms": 1e3 * s} for q, s in curve.items()]}))
+    assert machine.measured_contexts(target) == [600]
+    drafter = tuned_drafter("draft", target, draft_model=draft_model)
+    assert drafter.sized == ("depth", "budget") and drafter.tree.budget == machine.sized(flat)["nodes"] > 1
+    sizing = drafter.context_sizing
+    assert sizing.at(599) == {} and sizing.at(600) == sizing.at(10**6) == {"depth": 1, "nodes": 1}
+
+    prompt = [3, 17, 9, 41, 5, 22, 8, 30]
+    plain, _ = generate(target, build_drafter("none", target), prompt, 24, SamplingParams())
+    tokens, free = generate(target, drafter, prompt, 24, SamplingParams())
+    assert tokens == plain and free.drafted_tokens > len(free.accepted_per_step)  # wide drafts below 600 tokens
+    drafter.context_sizing = machine.ContextSizing({len(prompt): {"depth": 1, "nodes": 1}})
+    tokens, capped = generate(target, drafter, prompt, 24, SamplingParams())
+    assert tokens == plain and capped.drafted_tokens <= len(capped.accepted_per_step)  # one node a step

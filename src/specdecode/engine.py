@@ -161,6 +161,8 @@ def decode_steps(
         t0 = time.perf_counter()
         cap = governor.plan() if governor is not None else None
         limit = remaining - 1 if cap is None else min(cap, remaining - 1)  # the draft depth this step keeps
+        sizing = drafter.context_sizing.at(len(context)) if drafter.context_sizing is not None else {}
+        limit = min(limit, sizing.get("depth", limit))
         if cap == 0:
             draft = Draft.empty()
             stats.plain_steps += 1
@@ -169,6 +171,8 @@ def decode_steps(
             draft = drafter.propose(context, params, generator)
             assert len(draft) <= drafter.max_nodes, f"drafter '{drafter.name}' sent {len(draft)} > max_nodes nodes"
         draft = draft.depth_limited(limit)  # may trim the draft: commit gets the trimmed one
+        if "nodes" in sizing:  # verifying a wide tree after a long context costs more than it wins
+            draft = draft.first(sizing["nodes"])
         if cap:  # the governor's cap bounds the rows as well: a capped step verifies a short, narrow draft
             draft = draft.first(CAPPED_NODES_PER_LEVEL * cap)
         t1 = time.perf_counter()

@@ -100,6 +100,18 @@ class KVCache:
         self.length = min(self.length, length)
         self.end = self.length
 
+    def repeat_to(self, length: int) -> None:
+        """Grow the committed entries to `length` by repeating the ones there (position ids continue): a cache for
+        timing forwards after a long context, whose cost does not depend on the numbers the entries hold."""
+        n = self.length
+        assert self.pending == 0 and 0 < n <= length <= self.capacity, "repeat_to needs committed entries and room"
+        for start in range(n, length, n):
+            width = min(n, length - start)
+            self.keys[:, :, :, start : start + width] = self.keys[:, :, :, :width]
+            self.values[:, :, :, start : start + width] = self.values[:, :, :, :width]
+        self.positions[n:length] = torch.arange(n, length)
+        self.length = self.end = length
+
     def move_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy the entries (committed and not) into new [L, 1, H, C', D] storage, C' >= end, and use it from now on."""
         keys[:, :, :, : self.end] = self.keys[:, :, :, : self.end]

@@ -70,6 +70,8 @@ class Drafter(ABC):
     options: dict = {}  # the options it was built with (given, or from the tuned profile); {} = defaults
     tuned: bool = False  # True when those options came from the tuned profile (set by tune.profile.tuned_drafter)
     sized: tuple[str, ...] = ()  # the size options that came from this machine's cost curve (idem)
+    # caps on those sizes by context length (tune.machine.ContextSizing; None: none measured), which the engine applies
+    context_sizing = None
     # Option sets worth checking (chain and tree shapes, say): the lossless test matrix runs each of them.
     variants: ClassVar[tuple[dict, ...]] = ({},)
     # Option sets `specdecode tune` measures on this hardware (sizes, shapes), besides the defaults.

@@ -142,6 +142,42 @@ def sized(curve: dict[int, float]) -> dict[str, int]:
     return {"depth": max(range(1, 13), key=chain_rate), "nodes": max(range(1, 33), key=tree_rate)}
 
 
+def measured_contexts(target) -> list[int]:
+    """The contexts above CONTEXT whose curve is cached for this machine and target (`specdecode cost --context N`)."""
+    base = curve_path(target)
+    found = (re.fullmatch(re.escape(base.stem) + r"-context(\d+)", path.stem)
+             for path in base.parent.glob(base.stem + "-context*.json"))
+    return sorted(int(match[1]) for match in found if match and int(match[1]) > CONTEXT)
+
+
+class ContextSizing:
+    """Draft size caps by the request's current context length. Every verified row attends over every cached key,
+    so the cost curve steepens with the context, and a draft sized on the curve after CONTEXT tokens verifies too
+    many rows after 16k. Where curves after longer contexts are cached (`specdecode cost --context N`), a step after
+    at least N tokens keeps its draft within the chain depth and tree size that pay most on the longest such curve
+    (`sized`); below every measured context nothing is capped."""
+
+    def __init__(self, caps: dict[int, dict[str, int]]):
+        self.caps = dict(sorted(caps.items()))  # context -> {"depth": d} and/or {"nodes": n}
+
+    @classmethod
+    def for_target(cls, target, roles: set[str]) -> "ContextSizing | None":
+        """Caps of these roles ("depth", "nodes") from the target's cached long-context curves; None without any."""
+        caps = {}
+        for context in measured_contexts(target):
+            size = sized(seconds_by_rows(cost_report(target, context=context)))
+            caps[context] = {role: size[role] for role in roles}
+        return cls(caps) if caps else None
+
+    def at(self, length: int) -> dict[str, int]:
+        """The caps for a step after `length` tokens ({} below every measured context)."""
+        caps = {}
+        for context, sizes in self.caps.items():
+            if context <= length:
+                caps = sizes
+        return caps
+
+
 def sized_options(drafter_cls, curve: dict[int, float]) -> dict:
     """The drafter's size options (its `sizes`: option -> "depth" or "nodes") set from the curve."""
     size = sized(curve)

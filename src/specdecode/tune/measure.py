@@ -62,17 +62,23 @@ def search_candidates(target, name: str, draft_model, prompts, max_new_tokens: i
             bar.close()
 
 
+PREFILLED = 512  # tokens of a measuring context that are prefilled; a longer one repeats their entries
+
+
 def verify_curve(
     target: CausalLM, context: list[int], max_tokens: int, repeats: int, bar, sizes: list[int] | None = None
 ) -> dict[int, float]:
     """Seconds of one target forward over q new tokens after `context`, for q in `sizes` (default 1..max_tokens).
     Each size keeps its fastest of `repeats` forwards, the sizes taken in turn so that a burst of other work on the
     machine spreads over them; then a size never counts as slower than any larger one (more tokens cannot cost
-    less)."""
+    less). A context longer than PREFILLED tokens is prefilled that far and filled up with copies of those entries
+    (KVCache.repeat_to): the forwards read as many keys, and the curve after 16k tokens costs seconds instead of a
+    16k-token prefill."""
     sizes = sorted(sizes or range(1, max_tokens + 1))
     max_tokens = sizes[-1]
     cache = target.new_cache(len(context) + max_tokens)
-    prefill(target, cache, context)
+    prefill(target, cache, context[:PREFILLED])
+    cache.repeat_to(len(context))
     ids = torch.tensor((context * (max_tokens // len(context) + 1))[:max_tokens])  # [max_tokens]
     positions = torch.arange(len(context), len(context) + max_tokens)
     causal = torch.ones(max_tokens, max_tokens, dtype=torch.bool).tril()

@@ -65,6 +65,10 @@ def tuned_drafter(name: str, target, draft_model=None, profile: str = "auto", **
     drafter = build_drafter(name, target, draft_model, **(tuned if tuned is not None else {**sized, **options}))
     drafter.tuned = tuned is not None
     drafter.sized = tuple(sized)
+    if sized:  # sized on the short-context curve: capped on longer contexts' curves where they are measured
+        from .machine import ContextSizing
+
+        drafter.context_sizing = ContextSizing.for_target(target, {drafter.sizes[option] for option in sized})
     return drafter
 
 
