@@ -4,7 +4,7 @@ forward does), the formats (and optionally other kernel builds) alternated round
 
     python benchmarks/kv_attention.py [--formats f32 bf16 int8] [--builds BUILD_ID ...] [--rounds 5]
 
---builds: kernel builds under ~/.cache/specdecode/kernels/ to compare with this checkout's (float32 cache only).
+--builds: kernel builds under ~/.cache/specdecode/kernels/ to compare with this checkout's, in each format.
 Model shape: Qwen2.5-1.5B (12 query heads, 2 KV heads, head_dim 128). Prints ms per layer (median, min)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from specdecode.cache.kv import KV_DTYPES
 
 HQ, HKV, D, SCALE = 12, 2, 128, 128**-0.5
 CASES = [(7680, 1, 28), (7680, 4, 28), (16384, 1, 28), (16384, 4, 28), (7680, 16, 8), (4096, 512, 1)]
+CASES = [c for c in CASES if c[1] in (1, 4)] if __import__("os").environ.get("QUICK") else CASES
 
 
 def cache(x: torch.Tensor, fmt: str, native) -> torch.Tensor:
@@ -41,7 +42,7 @@ def main() -> None:
     runs = {fmt: (native, fmt) for fmt in args.formats}
     for build in args.builds:
         module = kernels.import_built(root / build / f"specdecode_cpu_{build}.so")
-        runs[f"f32@{build}"] = (kernels.Kernels(module, native.isa), "f32")
+        runs.update({f"{fmt}@{build}": (kernels.Kernels(module, native.isa), fmt) for fmt in args.formats})
     print(f"isa {native.isa}, threads {torch.get_num_threads()}, kernels {kernels.build_id()}")
     for ctx, rows, n_layers in CASES:
         n = ctx + rows

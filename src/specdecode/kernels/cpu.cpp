@@ -756,7 +756,9 @@ inline __m512 value_chunk(const int8_t* entry, int64_t c, int64_t d) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(entry_scale(entry, d)));
 }
 
-constexpr int KEYS_AHEAD = 16;  // keys (values) prefetched ahead of a long run: the cache streams from memory
+constexpr int KEYS_AHEAD = 16;  // keys (values) prefetched ahead of a long run into L1: the cache streams from memory
+constexpr int64_t BYTES_AHEAD_L2 = 16384;  // ...and this far ahead into L2 (one thread alone keeps too few lines in
+                                           // flight to stream at the machine's rate, as for the weights)
 
 // Keys a run of scores reads: `count` of them, key `first + j` (a contiguous run) or key `list[j]`.
 struct KeyRun {
@@ -862,8 +864,10 @@ void score_run(const TileQueries& tile, int64_t m0, int64_t d, const T* keys, in
       const T* key[KEY_BLOCK];
       for (int i = 0; i < KEY_BLOCK; ++i) key[i] = keys + run.key(j0 + jj + std::min(i, used - 1)) * key_stride;
       if (run.list == nullptr)  // a long run streams from memory: ask for the keys KEYS_AHEAD on
-        for (int64_t line = 0; line < KEY_BLOCK * key_stride * int64_t(sizeof(T)); line += 64)
+        for (int64_t line = 0; line < KEY_BLOCK * key_stride * int64_t(sizeof(T)); line += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(key[0] + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(key[0]) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
+        }
       if constexpr (q8) {
         for (int i = 0; i < used; ++i) key_scales[jj + i] = entry_scale(key[i], d);
         const int8_t* queries = tile.codes + m0 * 64;
@@ -935,8 +939,10 @@ void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t va
   for (int64_t j = 0; j < run.count; ++j) {
     const T* value = values + run.key(j) * value_stride;
     if (run.list == nullptr)
-      for (int64_t line = 0; line < 16 * S * int64_t(sizeof(T)); line += 64)
+      for (int64_t line = 0; line < 16 * S * int64_t(sizeof(T)); line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride + 16 * c0) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(value + 16 * c0) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
+      }
     const float* p = probs + score_at(vectors, 0, first + j);  // vector m's at p[m * 16]
 #pragma GCC unroll 24
     for (int c = 0; c < S; ++c) {
