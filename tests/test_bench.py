@@ -258,3 +258,34 @@ def test_hf_uag_peer_is_universal_assisted_generation():
     prompt = [3, 9, 4, 17, 3, 9, 4, 22, 3, 9]
     plain, _ = generate(target, build_drafter("none", target), prompt, 16, SamplingParams())
     assert method.run(prompt, 16, SamplingParams())["token_ids"] == plain
+
+
+def test_the_long_suite_prefills_each_prompt_once_for_all_engine_methods(tmp_path):
+    """32k-token prompts cost minutes on two cores: the first engine method of a question prefills it, the others
+    restore its KV (bit-exact: the same answers) and are charged its prefill time, keeping their own apart."""
+    from conftest import native_twin
+
+    target = native_twin(tiny_model("llama", vocab=64), "int4")
+    methods = [EngineMethod(name, target, lambda name=name: build_drafter(name, target)) for name in ("none", "pld")]
+    config = make_config(["none", "pld"])
+    config.suite = "long"
+    records = run_jobs(config, target, methods, QUESTIONS, tmp_path)
+    by_job = {}
+    for r in records:
+        by_job.setdefault((r["question_id"], r["turn"]), {})[r["method"]] = r
+    for (qid, turn), pair in by_job.items():
+        first, second = pair["none"], pair["pld"]
+        assert second["token_ids"] == first["token_ids"]
+        assert "own_prefill_seconds" not in first and second["prefill_shared_from"] == "none"
+        assert second["prefill_seconds"] == first["prefill_seconds"]
+        assert second["reused_prompt_tokens"] == second["prompt_tokens"] - 1  # all but the last prompt token
+        assert second["seconds"] >= second["prefill_seconds"]
+    assert by_job[(QUESTIONS[0].question_id, 1)]["none"]["reused_prompt_tokens"] > 0  # the first turn and its answer
+    assert by_job[(QUESTIONS[0].question_id, 0)]["none"]["reused_prompt_tokens"] == 0
+    # Spec-Bench prompts are short: every method prefills its own
+    config.suite = "spec-bench"
+    for method in methods:
+        method.prefix_cache = None
+    (tmp_path / "short").mkdir()
+    plain = run_jobs(config, target, methods, QUESTIONS, tmp_path / "short")
+    assert all(r["reused_prompt_tokens"] == 0 and "own_prefill_seconds" not in r for r in plain)

@@ -30,6 +30,9 @@ from ..tune.profile import tuned_drafter
 
 class Method(ABC):
     label: str
+    # Set by the runner to share prompts' KV across the methods of a run (the long suite's prefill once per
+    # question); only methods on the engine's target use it.
+    prefix_cache = None
 
     @abstractmethod
     def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
@@ -55,7 +58,8 @@ class EngineMethod(Method):
         if self.governed:  # carried from one generation to the next, as the API does
             self.governor = self.governor.for_next_request() if self.governor else Governor()
         governor = self.governor if self.governed else None
-        tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params, governor=governor)
+        tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params, governor=governor,
+                                 prefix_cache=self.prefix_cache)
         record = stats.as_dict()
         record["token_ids"] = tokens
         record["options"] = dict(

@@ -119,7 +119,10 @@ def _questions_line(config, groups: list[str], machine: dict) -> str:
                 f"standard-library sources, {len(config.question_ids)} questions ({', '.join(groups)}) at "
                 f"{', '.join(config.long_lengths)} tokens (measured with the target's tokenizer, within 15%), "
                 f"ids {config.question_ids}; chat template applied; follow-up second turns answer the method's own "
-                "first answer.")
+                "first answer. Each prompt is prefilled once per question for all specdecode methods (the first "
+                "to run it; the others restore its KV, bit-exact, and are charged its prefill time in time to first "
+                "token and end to end); a follow-up turn reuses the first turn's KV, as the API's prefix cache does. "
+                "Peers prefill every prompt themselves.")
     return (f"- Questions: Spec-Bench, {len(config.question_ids)} questions ({', '.join(groups)}), "
             f"ids {config.question_ids}; evenly spaced within each group; chat template applied; "
             f"MT-bench second turns answer the method's own first answer.")

@@ -14,6 +14,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from ..cache.prefix import PrefixCache
 from ..errors import SpecDecodeError
 from ..models.loading import check_load_options, load_model, parse_weights
 from ..sampling import SamplingParams
@@ -123,6 +124,7 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
     if todo:
         _warm_up(target, methods, config)
     answers = {(r["method"], r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in records}
+    shared = SharedPrefill(methods, records) if config.suite == "long" else None
     with open(records_path, "a") as sink, tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="bench", unit="gen") as bar:
         current = None
         for repeat, q, turn, method in todo:
@@ -130,10 +132,14 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
                 current = repeat
                 for each in methods:
                     each.new_repeat()
+                if shared is not None:
+                    shared.prefixes.clear()
             bar.set_postfix_str(f"{method.label} q{q.question_id} t{turn + 1}")
             prompt = _prompt_ids(target, q, turn, [answers[(method.label, q.question_id, t, repeat)] for t in range(turn)])
             params = SamplingParams(config.temperature, config.top_k, config.top_p, seed=_seed(config, q, turn, repeat))
             record = method.run(prompt, config.max_new_tokens, params)
+            if shared is not None:
+                shared.charge(record, method.label, (q.question_id, turn, repeat))
             record.update(method=method.label, question_id=q.question_id, group=q.group, category=q.category,
                           turn=turn, repeat=repeat, prompt_tokens=len(prompt), **_long_fields(target, q, record))
             answers[(method.label, q.question_id, turn, repeat)] = record["token_ids"]
@@ -142,6 +148,40 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
             records.append(record)
             bar.update()
     return records
+
+
+SHARED_PREFILL_MB = 4096  # the long suite's shared prompts: one 32k-token prompt's float32 KV (Qwen2.5-1.5B) fits
+
+
+class SharedPrefill:
+    """The long suite's prompts prefilled once for all engine methods of a run: the first engine method to run a
+    (question, turn, repeat) prefills it and leaves its KV in a prefix cache the others restore (bit-exact, so
+    their answers are unchanged). Each later method is charged the first one's prefill time in its record (time to
+    first token, end-to-end seconds) instead of its own restore, and keeps its own as own_prefill_seconds: a
+    32k-token prompt costs minutes on two cores, once rather than once per method. A later turn's prompt starts
+    with the earlier turn and its answer, which the API's prefix cache would hold as well."""
+
+    def __init__(self, methods: list[Method], records: list[dict]):
+        self.prefixes = PrefixCache(SHARED_PREFILL_MB * 2**20)
+        for method in methods:
+            method.prefix_cache = self.prefixes
+        self.first: dict[tuple, tuple[str, float]] = {}  # job -> (method that prefilled it, its prefill seconds)
+        for record in records:  # a resumed run: the prefills recorded so far (their KV is gone: the next recomputes)
+            if "own_prefill_seconds" not in record and "reused_prompt_tokens" in record:
+                job = (record["question_id"], record["turn"], record["repeat"])
+                self.first.setdefault(job, (record["method"], record["prefill_seconds"]))
+
+    def charge(self, record: dict, label: str, job: tuple) -> None:
+        if "reused_prompt_tokens" not in record:  # a peer's row: it prefills on its own
+            return
+        if job not in self.first:
+            self.first[job] = (label, record["prefill_seconds"])
+            return
+        source, seconds = self.first[job]
+        own = record["prefill_seconds"]
+        record.update(own_prefill_seconds=own, prefill_shared_from=source, prefill_seconds=seconds,
+                      seconds=record["seconds"] - own + seconds)
+        record["tokens_per_second"] = record["new_tokens"] / record["seconds"]
 
 
 def _long_fields(target, question: Question, record: dict) -> dict:
