@@ -938,11 +938,16 @@ void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t va
     for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
   for (int64_t j = 0; j < run.count; ++j) {
     const T* value = values + run.key(j) * value_stride;
-    if (run.list == nullptr)
-      for (int64_t line = 0; line < 16 * S * int64_t(sizeof(T)); line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(value + KEYS_AHEAD * value_stride + 16 * c0) + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(value + 16 * c0) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
+    if (run.list == nullptr) {
+      // the chunks this pass reads; an int8 entry's scale, which every pass reads, lies past its codes: the whole entry
+      const int64_t first = std::is_same_v<T, int8_t> ? 0 : 16 * c0 * int64_t(sizeof(T));
+      const int64_t bytes = std::is_same_v<T, int8_t> ? value_stride : 16 * S * int64_t(sizeof(T));
+      const char* entry = reinterpret_cast<const char*>(value) + first;
+      for (int64_t line = 0; line < bytes; line += 64) {
+        _mm_prefetch(entry + KEYS_AHEAD * value_stride * int64_t(sizeof(T)) + line, _MM_HINT_T0);
+        _mm_prefetch(entry + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
       }
+    }
     const float* p = probs + score_at(vectors, 0, first + j);  // vector m's at p[m * 16]
 #pragma GCC unroll 24
     for (int c = 0; c < S; ++c) {
