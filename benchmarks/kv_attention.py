@@ -2,7 +2,7 @@
 prompt chunk, each layer's keys and values distinct (so that a one-row step streams them from memory, as a real
 forward does), the formats (and optionally other kernel builds) alternated round by round in one process.
 
-    python benchmarks/kv_attention.py [--formats f32 bf16 int8] [--builds BUILD_ID ...] [--rounds 5]
+    python benchmarks/kv_attention.py [--formats f32 bf16 int8] [--builds BUILD_ID ...] [--rounds 5] [--quick]
 
 --builds: kernel builds under ~/.cache/specdecode/kernels/ to compare with this checkout's, in each format.
 Model shape: Qwen2.5-1.5B (12 query heads, 2 KV heads, head_dim 128). Prints ms per layer (median, min)."""
@@ -22,7 +22,7 @@ from specdecode.cache.kv import KV_DTYPES
 
 HQ, HKV, D, SCALE = 12, 2, 128, 128**-0.5
 CASES = [(7680, 1, 28), (7680, 4, 28), (16384, 1, 28), (16384, 4, 28), (7680, 16, 8), (4096, 512, 1)]
-CASES = [c for c in CASES if c[1] in (1, 4)] if __import__("os").environ.get("QUICK") else CASES
+DECODE_ROWS = (1, 4)  # --quick: only the decode-step cases
 
 
 def cache(x: torch.Tensor, fmt: str, native) -> torch.Tensor:
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["f32", "bf16", "int8"], choices=list(KV_DTYPES))
     parser.add_argument("--builds", nargs="*", default=[])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="only 1 and 4 rows (decode and verification steps)")
     args = parser.parse_args()
     keep_freed_memory()
     native = kernels.native()
@@ -44,7 +45,7 @@ def main() -> None:
         module = kernels.import_built(root / build / f"specdecode_cpu_{build}.so")
         runs.update({f"{fmt}@{build}": (kernels.Kernels(module, native.isa), fmt) for fmt in args.formats})
     print(f"isa {native.isa}, threads {torch.get_num_threads()}, kernels {kernels.build_id()}")
-    for ctx, rows, n_layers in CASES:
+    for ctx, rows, n_layers in [case for case in CASES if not args.quick or case[1] in DECODE_ROWS]:
         n = ctx + rows
         mask = torch.ones(1, rows, n, dtype=torch.bool)
         mask[0, :, ctx:] = torch.ones(rows, rows, dtype=torch.bool).tril()

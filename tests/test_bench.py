@@ -284,8 +284,6 @@ def test_the_long_suite_prefills_each_prompt_once_for_all_engine_methods(tmp_pat
     assert by_job[(QUESTIONS[0].question_id, 0)]["none"]["reused_prompt_tokens"] == 0
     # Spec-Bench prompts are short: every method prefills its own
     config.suite = "spec-bench"
-    for method in methods:
-        method.prefix_cache = None
     (tmp_path / "short").mkdir()
     plain = run_jobs(config, target, methods, QUESTIONS, tmp_path / "short")
     assert all(r["reused_prompt_tokens"] == 0 and "own_prefill_seconds" not in r for r in plain)

@@ -124,7 +124,9 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
     if todo:
         _warm_up(target, methods, config)
     answers = {(r["method"], r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in records}
-    shared = SharedPrefill(methods, records) if config.suite == "long" else None
+    shared = SharedPrefill(records) if config.suite == "long" else None
+    for method in methods:  # also undoes an earlier long run's sharing where these methods are run again
+        method.prefix_cache = shared.prefixes if shared is not None else None
     with open(records_path, "a") as sink, tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="bench", unit="gen") as bar:
         current = None
         for repeat, q, turn, method in todo:
@@ -161,10 +163,8 @@ class SharedPrefill:
     32k-token prompt costs minutes on two cores, once rather than once per method. A later turn's prompt starts
     with the earlier turn and its answer, which the API's prefix cache would hold as well."""
 
-    def __init__(self, methods: list[Method], records: list[dict]):
-        self.prefixes = PrefixCache(SHARED_PREFILL_MB * 2**20)
-        for method in methods:
-            method.prefix_cache = self.prefixes
+    def __init__(self, records: list[dict]):
+        self.prefixes = PrefixCache(SHARED_PREFILL_MB * 2**20)  # the methods' prefix_cache (run_jobs sets it)
         self.first: dict[tuple, tuple[str, float]] = {}  # job -> (method that prefilled it, its prefill seconds)
         for record in records:  # a resumed run: the prefills recorded so far (their KV is gone: the next recomputes)
             if "own_prefill_seconds" not in record and "reused_prompt_tokens" in record:
