@@ -152,6 +152,31 @@ def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, h
     assert_attention_close(out, expected_attention(queries, k_cache, v_cache, mask, keys, 0.125), kv_dtype)
 
 
+TILE_PATHS = [isa for isa in PATHS if isa.startswith("avx512")]
+
+
+@pytest.mark.skipif(len(TILE_PATHS) < 2, reason=f"AMX is not available here (paths: {PATHS})")
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("hq, hkv, d, q", [(6, 2, 128, 13), (6, 2, 128, 1), (16, 1, 64, 5), (3, 1, 256, 9)])
+def test_attention_with_amx_gives_the_avx512_bits(kv_dtype, hq, hkv, d, q):
+    """AMX's key dot products (int8 cache) are the exact integers AVX-512 VNNI computes, and the rest of the tile is
+    shared: the AMX and AVX-512 paths give the same bits for every row. (The AVX2 and scalar rows reduce floats in
+    8-lane and scalar order, so their attention differs from these in the last bits.)"""
+    torch.manual_seed(3)
+    b, context = 2, 1200
+    keys = context + q
+    queries = torch.randn(b, hq, q, d)
+    k_cache = cache_of(torch.randn(b, hkv, keys, d), kv_dtype)
+    v_cache = cache_of(torch.randn(b, hkv, keys, d), kv_dtype)
+    mask = torch.ones(b, q, keys, dtype=torch.bool)
+    mask[0, :, context:] = ancestor_mask(torch.tensor([-1] + [i // 2 for i in range(q - 1)]))  # a tree
+    mask[1, :, context:] = torch.ones(q, q, dtype=torch.bool).tril()  # a prompt's causal rows
+    mask[1, 0, 37:501] = False  # a hole
+    outputs = {isa: on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, d**-0.5) for isa in TILE_PATHS}
+    for isa, out in outputs.items():
+        assert torch.equal(out, outputs[TILE_PATHS[0]]), f"{isa} differs from {TILE_PATHS[0]}"
+
+
 @pytest.mark.parametrize("isa", PATHS)
 def test_row_ops_match_torch_and_are_exact_per_row(isa):
     torch.manual_seed(2)

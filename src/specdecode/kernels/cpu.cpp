@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -60,13 +61,25 @@ inline void prefetch_block(const uint8_t* blk, bool far) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Activation quantization: per row, per block of 32, symmetric int8 with |q| <= 127.
+// An array whose elements start uninitialized: every element is written before it is read, and zero-filling a
+// prompt chunk's codes (megabytes per call) cost more than quantizing them.
+template <typename T>
+struct Uninit {
+  std::unique_ptr<T[]> p;
+  void resize(int64_t n) { p.reset(new T[n]); }
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
+  T& operator[](int64_t i) { return p[i]; }
+  const T& operator[](int64_t i) const { return p[i]; }
+};
+
 struct QuantRows {
   int64_t rows, blocks;
-  std::vector<int8_t> codes;    // [rows, blocks * 32]
-  std::vector<uint8_t> magnitudes;  // [rows, blocks * 32]: |code| (AVX2 int8 path)
-  std::vector<float> scales;    // [rows, blocks]
-  std::vector<int32_t> sums;    // [rows, blocks]: sum of codes
-  std::vector<float> shifts;    // [rows, blocks]: scale * sum (what a block's weight min is multiplied by)
+  Uninit<int8_t> codes;    // [rows, blocks * 32]
+  Uninit<uint8_t> magnitudes;  // [rows, blocks * 32]: |code| (AVX2 int8 path)
+  Uninit<float> scales;    // [rows, blocks]
+  Uninit<int32_t> sums;    // [rows, blocks]: sum of codes
+  Uninit<float> shifts;    // [rows, blocks]: scale * sum (what a block's weight min is multiplied by)
 };
 
 // Round to nearest even (the default MXCSR mode), as _mm256_cvtps_epi32 does.
@@ -487,13 +500,17 @@ TileConfig amx_config() {
   return config;
 }
 
-// Loads the tile configuration where the thread's differs (loading it costs more than reading it): other libraries
-// on the thread (oneDNN in torch) configure tiles their own way and release them.
-void amx_configure() {
-  static const TileConfig wanted = amx_config();
+// Loads a tile configuration where the thread's differs (loading it costs more than reading it): other libraries
+// on the thread (oneDNN in torch), and attention's key dots below, configure tiles their own way.
+void amx_load(const TileConfig& wanted) {
   TileConfig current;
   _tile_storeconfig(&current);
   if (std::memcmp(&current, &wanted, sizeof wanted) != 0) _tile_loadconfig(&wanted);
+}
+
+void amx_configure() {
+  static const TileConfig wanted = amx_config();
+  amx_load(wanted);
 }
 
 // One block's dot products into `dots` [16 rows, 16 int32], with tiles C, A, B (literal numbers: the intrinsics name
@@ -574,10 +591,83 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
   }
 }
 
+// Attention against an int8 cache: the exact int32 dot products of 16 consecutive keys with up to 32 query vectors,
+// which AVX-512 VNNI computes with one vpdpbusd per key, vector and 64 codes. Tile 0 (1): keys x query vectors
+// 0-15 (16-31); 2: 16 keys' codes c*64 .. c*64+63 (rows key_stride bytes apart); 3 and 4: those codes of vectors
+// 0-15 and 16-31 in the layout tdpbssd reads (amx_query_layout).
+TileConfig key_dots_config() {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+  return config;
+}
+
+// B [chunks][2][16][64]: chunk c's codes of vector 16t + n, bytes 4i .. 4i+3, at [c][t][i][4n ..]; zero past the
+// vectors. codes: vector m's chunk c of 64 at codes[(c * vectors + m) * 64] (the tile layout).
+void amx_query_layout(const int8_t* codes, int64_t vectors, int64_t chunks, int8_t* b) {
+  std::memset(b, 0, chunks * 2 * 1024);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t m = 0; m < vectors; ++m)
+      for (int i = 0; i < 16; ++i)
+        std::memcpy(b + ((c * 2 + m / 16) * 16 + i) * 64 + 4 * (m % 16), codes + (c * vectors + m) * 64 + 4 * i, 4);
+}
+
+// A 16 x 16 int32 matrix transposed: out[j][i] = in[i][j] (three stages of interleaves).
+inline void transpose16x16(const int32_t* in, int32_t* out) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(in + 16 * i);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: rows i, i+1 of columns 4L, 4L+1 / 4L+2, 4L+3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // r[g + k], lane L: rows g .. g+3 of column 4L + k
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k = lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512i v = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), w = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+    const __m512i x = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), y = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    _mm512_store_si512(out + 16 * k, _mm512_shuffle_i32x4(v, x, 0x88));
+    _mm512_store_si512(out + 16 * (4 + k), _mm512_shuffle_i32x4(w, y, 0x88));
+    _mm512_store_si512(out + 16 * (8 + k), _mm512_shuffle_i32x4(v, x, 0xDD));
+    _mm512_store_si512(out + 16 * (12 + k), _mm512_shuffle_i32x4(w, y, 0xDD));
+  }
+}
+
+// dots[m][i] = the dot product of query vector m (m < vectors <= 32) with key i of the 16 at `keys`, over chunks x 64
+// codes: exact, as every path's.
+void amx_key_dots(const int8_t* keys, int64_t key_stride, int64_t chunks, const int8_t* b, int64_t vectors,
+                  int32_t (*dots)[16]) {
+  static const TileConfig config = key_dots_config();
+  alignas(64) int32_t c0[16][16], c1[16][16];
+  amx_load(config);
+  const bool two = vectors > 16;
+  _tile_zero(0);
+  if (two) _tile_zero(1);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(2, keys + 64 * c, key_stride);
+    _tile_loadd(3, b + c * 2048, 64);
+    _tile_dpbssd(0, 2, 3);
+    if (two) {
+      _tile_loadd(4, b + c * 2048 + 1024, 64);
+      _tile_dpbssd(1, 2, 4);
+    }
+  }
+  _tile_stored(0, c0, 64);
+  transpose16x16(&c0[0][0], &dots[0][0]);
+  if (two) {
+    _tile_stored(1, c1, 64);
+    transpose16x16(&c1[0][0], &dots[16][0]);
+  }
+}
+
 #pragma GCC pop_options
 #else
 bool amx_permitted() { return false; }
 void tile_rows_amx(int, const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t) {}
+void amx_query_layout(const int8_t*, int64_t, int64_t, int8_t*) {}
+void amx_key_dots(const int8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t (*)[16]) {}
 #endif
 
 void run_tile(int isa, int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
@@ -843,6 +933,7 @@ struct TileQueries {
   const int32_t* code_sums;
   const float* factors;
   int64_t vectors;
+  const int8_t* amx;  // the codes in amx_query_layout where AMX computes the key dots, else null
 };
 
 // Scores of M query vectors (vectors m0 .. m0+M-1 of the tile) against a run of keys, written to scores (pointing at
@@ -856,10 +947,24 @@ void score_run(const TileQueries& tile, int64_t m0, int64_t d, const T* keys, in
   using Lane = std::conditional_t<q8, int32_t, float>;
   alignas(64) Lane sums[M][16][16];
   alignas(64) float lanes[16], key_scales[16] = {};
+  alignas(64) int32_t amx_dots[q8 ? 32 : 1][16];
   const int64_t vectors = tile.vectors;
   for (int64_t j0 = 0; j0 < run.count; j0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, run.count - j0));
-    for (int jj = 0; jj < n; jj += KEY_BLOCK) {
+    // AMX: the whole tile's vectors against 16 consecutive keys at once (the same exact integers)
+    const bool amx = q8 && tile.amx != nullptr && m0 == 0 && n == 16 && run.list == nullptr;
+    if constexpr (q8) {
+      if (amx) {
+        const int8_t* key0 = keys + run.key(j0) * key_stride;
+        for (int64_t line = 0; line < 16 * key_stride; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(key0 + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(key0) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
+        }
+        for (int i = 0; i < 16; ++i) key_scales[i] = entry_scale(key0 + i * key_stride, d);
+        amx_key_dots(key0, key_stride, d / 64, tile.amx, M, amx_dots);
+      }
+    }
+    for (int jj = 0; jj < n && !amx; jj += KEY_BLOCK) {
       const int used = std::min(KEY_BLOCK, n - jj);
       const T* key[KEY_BLOCK];
       for (int i = 0; i < KEY_BLOCK; ++i) key[i] = keys + run.key(j0 + jj + std::min(i, used - 1)) * key_stride;
@@ -892,8 +997,10 @@ void score_run(const TileQueries& tile, int64_t m0, int64_t d, const T* keys, in
     for (int m = 0; m < M; ++m) {
       __m512 s;
       if constexpr (q8) {  // q8_score, sixteen keys at once
-        const __m512i raw = _mm512_castps_si512(reduce16x16<true>(&sums[m][0][0]));
-        const __m512i dots = _mm512_sub_epi32(raw, _mm512_set1_epi32(128 * tile.code_sums[m0 + m]));
+        const __m512i dots =
+            amx ? _mm512_load_si512(amx_dots[m])
+                : _mm512_sub_epi32(_mm512_castps_si512(reduce16x16<true>(&sums[m][0][0])),
+                                   _mm512_set1_epi32(128 * tile.code_sums[m0 + m]));
         s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots),
                           _mm512_mul_ps(_mm512_set1_ps(tile.factors[m0 + m]), _mm512_load_ps(key_scales)));
       } else {
@@ -1281,7 +1388,7 @@ int64_t row_visibility(const bool* row, int64_t n_keys, std::vector<int64_t>& ex
 // keys they all see (a verification's context, a prompt's earlier tokens) are loaded once for the whole tile.
 template <typename T>
 void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
-                     const torch::Tensor& mask, int64_t n_keys, double scale, torch::Tensor& out) {
+                     const torch::Tensor& mask, int64_t n_keys, double scale, bool amx, torch::Tensor& out) {
   const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
   const int64_t hkv = keys.size(1), group = hq / hkv;
   const bool masked = mask.defined() && mask.numel() > 0;
@@ -1301,7 +1408,7 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
     TileKeys tile;
     std::vector<int64_t> prefixes;
     std::vector<float> query_buf, scores, sums, factors;
-    std::vector<int8_t> code_buf;
+    std::vector<int8_t> code_buf, amx_buf;
     std::vector<int32_t> code_sums;
     QueryCodes query_codes;
     std::vector<float*> outs;
@@ -1349,7 +1456,13 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
           }
           outs[r] = out_data + ((b * q + i0 + r) * hq + head) * d;
         }
-        const TileQueries queries{tile_queries, code_buf.data(), code_sums.data(), factors.data(), vectors};
+        const bool key_dots_amx = std::is_same_v<T, int8_t> && amx;
+        if (key_dots_amx) {
+          amx_buf.resize(d / 64 * 2048);
+          amx_query_layout(code_buf.data(), vectors, d / 64, amx_buf.data());
+        }
+        const TileQueries queries{tile_queries, code_buf.data(), code_sums.data(), factors.data(), vectors,
+                                  key_dots_amx ? amx_buf.data() : nullptr};
         attend_tile_avx512<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile, d,
                               float(scale), outs.data(), scores, sums);
       });
@@ -1362,7 +1475,7 @@ void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, con
                     const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
   const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
   if (isa >= AVX512 && d % (std::is_same_v<T, int8_t> ? 64 : 16) == 0)
-    return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, out);
+    return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, isa == AMX && amx_permitted(), out);
   // AVX2 and scalar: one (row, KV head) item at a time
   const int64_t hkv = keys.size(1), group = hq / hkv;
   const bool masked = mask.defined() && mask.numel() > 0;
