@@ -482,10 +482,10 @@ bool amx_permitted() {
   return permitted;
 }
 
-// Tiles 0 and 3: dot products [16 rows, 16 int32]; 1 and 4: activation codes [16 rows, 32 int8]; 2 and 5: one
-// block's weights [8, 64] in the layout tdpb* reads (row i: column j's inputs 4i..4i+3 in bytes 4j..4j+3), which is
-// the packed int8 chunks as they are and the int4 chunks' low nibbles (rows 0-3) then high nibbles (rows 4-7). Two
-// sets, alternated by block.
+// Tiles 0-3: dot products [16 rows, 16 int32] (four blocks in flight); 4 and 5: activation codes [16 rows, 32 int8];
+// 6 and 7: one block's weights [8, 64] in the layout tdpb* reads (row i: column j's inputs 4i..4i+3 in bytes
+// 4j..4j+3), which is the packed int8 chunks as they are and the int4 chunks' low nibbles (rows 0-3) then high
+// nibbles (rows 4-7).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
@@ -494,9 +494,9 @@ struct alignas(64) TileConfig {
 
 TileConfig amx_config() {
   TileConfig config;
-  for (int t : {0, 3}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = 64;
-  for (int t : {1, 4}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = BLOCK;
-  for (int t : {2, 5}) config.rows[t] = BLOCK / 4, config.bytes_per_row[t] = 64;
+  for (int t : {0, 1, 2, 3}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = 64;
+  for (int t : {4, 5}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = BLOCK;
+  for (int t : {6, 7}) config.rows[t] = BLOCK / 4, config.bytes_per_row[t] = 64;
   return config;
 }
 
@@ -527,14 +527,17 @@ void amx_configure() {
     _tile_stored(C, dots, 64);                                                     \
   } while (0)
 
-// Rows [row_begin, row_begin + 16 * chunks) of one weight tile (at most ROW_BLOCK rows).
+// Rows [row_begin, row_begin + 16 * chunks) of one weight tile (at most ROW_BLOCK rows). Software-pipelined by chunk
+// of 16 rows: the tile unit computes chunk p's dot products into one staging buffer while the vector units run chunk
+// p - 1's float epilogue from the other (run back to back, each waited on the other: a third of the time went to
+// stalls on the tile stores).
 void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
                    int64_t chunks, float* y, int64_t y_stride) {
   const int64_t bytes = bits == 4 ? Q4_BYTES : Q8_BYTES, scales_at = bits == 4 ? 256 : 512;
   const int64_t code_stride = blocks * BLOCK;
   alignas(64) float acc[ROW_BLOCK][TILE], accm[ROW_BLOCK][TILE];  // the dot products' and the mins' terms
   alignas(64) uint8_t unpacked[AMX_GROUP][BLOCK / 4 * 64];
-  alignas(64) int32_t dots[AMX_GROUP][AMX_ROWS * TILE];
+  alignas(64) int32_t dots[2][AMX_GROUP][AMX_ROWS * TILE];  // staging, by chunk parity
   alignas(64) float scales[AMX_GROUP][TILE], mins[AMX_GROUP][TILE];
   const uint8_t* weights[AMX_GROUP];
   const int64_t rows = chunks * AMX_ROWS;
@@ -561,21 +564,30 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
       const __m256i half_scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + scales_at));
       _mm512_store_ps(scales[j], _mm512_cvtph_ps(half_scales));
     }
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const int64_t r0 = row_begin + chunk * AMX_ROWS;
-      const int8_t* codes = a.codes.data() + (r0 * blocks + b0) * BLOCK;
-      for (int j = 0; j < n; j += 2) {
-        AMX_BLOCK_DOTS(0, 1, 2, bits == 8, codes + j * BLOCK, code_stride, weights[j], dots[j]);
-        if (j + 1 < n)
-          AMX_BLOCK_DOTS(3, 4, 5, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], dots[j + 1]);
+    for (int64_t chunk = 0; chunk <= chunks; ++chunk) {
+      if (chunk < chunks) {  // chunk's dot products, four blocks in flight
+        const int8_t* codes = a.codes.data() + ((row_begin + chunk * AMX_ROWS) * blocks + b0) * BLOCK;
+        int32_t (*stage)[AMX_ROWS * TILE] = dots[chunk % 2];
+        for (int j = 0; j < n; j += 4) {
+          AMX_BLOCK_DOTS(0, 4, 6, bits == 8, codes + j * BLOCK, code_stride, weights[j], stage[j]);
+          if (j + 1 < n)
+            AMX_BLOCK_DOTS(1, 5, 7, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], stage[j + 1]);
+          if (j + 2 < n)
+            AMX_BLOCK_DOTS(2, 4, 6, bits == 8, codes + (j + 2) * BLOCK, code_stride, weights[j + 2], stage[j + 2]);
+          if (j + 3 < n)
+            AMX_BLOCK_DOTS(3, 5, 7, bits == 8, codes + (j + 3) * BLOCK, code_stride, weights[j + 3], stage[j + 3]);
+        }
       }
+      if (chunk == 0) continue;
+      const int64_t r0 = row_begin + (chunk - 1) * AMX_ROWS;  // the previous chunk's epilogue
+      int32_t (*stage)[AMX_ROWS * TILE] = dots[(chunk - 1) % 2];
       for (int r = 0; r < AMX_ROWS; ++r) {
         const int64_t row = r0 + r, at = row * blocks + b0;
         float* row_acc = acc[row - row_begin];
         float* row_accm = accm[row - row_begin];
         __m512 sum = _mm512_load_ps(row_acc), sum_mins = _mm512_load_ps(row_accm);
         for (int j = 0; j < n; ++j) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j] + r * TILE));
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(stage[j] + r * TILE));
           sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_load_ps(scales[j]), _mm512_set1_ps(a.scales[at + j])), sum);
           if (bits == 4)
             sum_mins = _mm512_fmadd_ps(_mm512_load_ps(mins[j]), _mm512_set1_ps(a.shifts[at + j]), sum_mins);
@@ -1045,7 +1057,7 @@ void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t va
     for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
   for (int64_t j = 0; j < run.count; ++j) {
     const T* value = values + run.key(j) * value_stride;
-    if (run.list == nullptr) {
+    if (run.list == nullptr && (c0 == 0 || !std::is_same_v<T, int8_t>)) {  // an int8 entry's first pass takes it all
       // the chunks this pass reads; an int8 entry's scale, which every pass reads, lies past its codes: the whole entry
       const int64_t first = std::is_same_v<T, int8_t> ? 0 : 16 * c0 * int64_t(sizeof(T));
       const int64_t bytes = std::is_same_v<T, int8_t> ? value_stride : 16 * S * int64_t(sizeof(T));
@@ -1069,17 +1081,28 @@ void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t va
     for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
 }
 
-// acc[m] (M running sums [D] each) += p(m, j) * value(j) over a run of values in order: passes of as many D chunks
-// as registers hold for M vectors, then single chunks. A sum's arithmetic does not depend on the pass it is in.
+constexpr int64_t VALUE_BLOCK_BYTES = 16384;  // values per block of a run: with their probabilities, what stays in L1
+                                              // across the passes over D
+
+// acc[m] (M running sums [D] each) += p(m, j) * value(j) over a run of values in order: by blocks of values that stay
+// in L1, for each block passes of as many D chunks as registers hold for M vectors, then single chunks (each pass
+// over a whole long run streamed the values from memory again). A sum's arithmetic does not depend on the pass or
+// block it is in: each element is one chain of FMAs in value order, held in memory between them.
 template <int M, typename T>
 void weigh_run(const float* probs, int64_t vectors, const T* values, int64_t value_stride, KeyRun run, int64_t first,
                int64_t d, float* acc_out) {
   constexpr int SPAN = M >= 24 ? 1 : 24 / M;
   const int64_t chunks = d / 16;
-  int64_t c0 = 0;
-  for (; c0 + SPAN <= chunks; c0 += SPAN)
-    weigh_pass<M, SPAN, T>(probs, vectors, values, value_stride, run, first, d, c0, acc_out);
-  for (; c0 < chunks; ++c0) weigh_pass<M, 1, T>(probs, vectors, values, value_stride, run, first, d, c0, acc_out);
+  const int64_t block = std::max<int64_t>(16, VALUE_BLOCK_BYTES / (value_stride * int64_t(sizeof(T))));
+  for (int64_t j0 = 0; j0 < run.count; j0 += block) {
+    const KeyRun part{run.list ? run.list + j0 : nullptr, run.list ? 0 : run.first + j0,
+                      std::min(block, run.count - j0)};
+    int64_t c0 = 0;
+    for (; c0 + SPAN <= chunks; c0 += SPAN)
+      weigh_pass<M, SPAN, T>(probs, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
+    for (; c0 < chunks; ++c0)
+      weigh_pass<M, 1, T>(probs, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
+  }
 }
 
 constexpr int TILE_VECTORS = 24;  // query vectors (rows x heads) scored together: their sums stay in registers
