@@ -482,10 +482,10 @@ bool amx_permitted() {
   return permitted;
 }
 
-// Tiles 0-3: dot products [16 rows, 16 int32] (four blocks in flight); 4 and 5: activation codes [16 rows, 32 int8];
-// 6 and 7: one block's weights [8, 64] in the layout tdpb* reads (row i: column j's inputs 4i..4i+3 in bytes
-// 4j..4j+3), which is the packed int8 chunks as they are and the int4 chunks' low nibbles (rows 0-3) then high
-// nibbles (rows 4-7).
+// Tiles 0 and 3: dot products [16 rows, 16 int32]; 1 and 4: activation codes [16 rows, 32 int8]; 2 and 5: one
+// block's weights [8, 64] in the layout tdpb* reads (row i: column j's inputs 4i..4i+3 in bytes 4j..4j+3), which is
+// the packed int8 chunks as they are and the int4 chunks' low nibbles (rows 0-3) then high nibbles (rows 4-7). Two
+// sets, alternated by block.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
@@ -494,9 +494,9 @@ struct alignas(64) TileConfig {
 
 TileConfig amx_config() {
   TileConfig config;
-  for (int t : {0, 1, 2, 3}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = 64;
-  for (int t : {4, 5}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = BLOCK;
-  for (int t : {6, 7}) config.rows[t] = BLOCK / 4, config.bytes_per_row[t] = 64;
+  for (int t : {0, 3}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = 64;
+  for (int t : {1, 4}) config.rows[t] = AMX_ROWS, config.bytes_per_row[t] = BLOCK;
+  for (int t : {2, 5}) config.rows[t] = BLOCK / 4, config.bytes_per_row[t] = 64;
   return config;
 }
 
@@ -527,17 +527,14 @@ void amx_configure() {
     _tile_stored(C, dots, 64);                                                     \
   } while (0)
 
-// Rows [row_begin, row_begin + 16 * chunks) of one weight tile (at most ROW_BLOCK rows). Software-pipelined by chunk
-// of 16 rows: the tile unit computes chunk p's dot products into one staging buffer while the vector units run chunk
-// p - 1's float epilogue from the other (run back to back, each waited on the other: a third of the time went to
-// stalls on the tile stores).
+// Rows [row_begin, row_begin + 16 * chunks) of one weight tile (at most ROW_BLOCK rows).
 void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRows& a, int64_t row_begin,
                    int64_t chunks, float* y, int64_t y_stride) {
   const int64_t bytes = bits == 4 ? Q4_BYTES : Q8_BYTES, scales_at = bits == 4 ? 256 : 512;
   const int64_t code_stride = blocks * BLOCK;
   alignas(64) float acc[ROW_BLOCK][TILE], accm[ROW_BLOCK][TILE];  // the dot products' and the mins' terms
   alignas(64) uint8_t unpacked[AMX_GROUP][BLOCK / 4 * 64];
-  alignas(64) int32_t dots[2][AMX_GROUP][AMX_ROWS * TILE];  // staging, by chunk parity
+  alignas(64) int32_t dots[AMX_GROUP][AMX_ROWS * TILE];
   alignas(64) float scales[AMX_GROUP][TILE], mins[AMX_GROUP][TILE];
   const uint8_t* weights[AMX_GROUP];
   const int64_t rows = chunks * AMX_ROWS;
@@ -564,30 +561,21 @@ void tile_rows_amx(int bits, const uint8_t* tile, int64_t blocks, const QuantRow
       const __m256i half_scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + scales_at));
       _mm512_store_ps(scales[j], _mm512_cvtph_ps(half_scales));
     }
-    for (int64_t chunk = 0; chunk <= chunks; ++chunk) {
-      if (chunk < chunks) {  // chunk's dot products, four blocks in flight
-        const int8_t* codes = a.codes.data() + ((row_begin + chunk * AMX_ROWS) * blocks + b0) * BLOCK;
-        int32_t (*stage)[AMX_ROWS * TILE] = dots[chunk % 2];
-        for (int j = 0; j < n; j += 4) {
-          AMX_BLOCK_DOTS(0, 4, 6, bits == 8, codes + j * BLOCK, code_stride, weights[j], stage[j]);
-          if (j + 1 < n)
-            AMX_BLOCK_DOTS(1, 5, 7, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], stage[j + 1]);
-          if (j + 2 < n)
-            AMX_BLOCK_DOTS(2, 4, 6, bits == 8, codes + (j + 2) * BLOCK, code_stride, weights[j + 2], stage[j + 2]);
-          if (j + 3 < n)
-            AMX_BLOCK_DOTS(3, 5, 7, bits == 8, codes + (j + 3) * BLOCK, code_stride, weights[j + 3], stage[j + 3]);
-        }
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t r0 = row_begin + chunk * AMX_ROWS;
+      const int8_t* codes = a.codes.data() + (r0 * blocks + b0) * BLOCK;
+      for (int j = 0; j < n; j += 2) {
+        AMX_BLOCK_DOTS(0, 1, 2, bits == 8, codes + j * BLOCK, code_stride, weights[j], dots[j]);
+        if (j + 1 < n)
+          AMX_BLOCK_DOTS(3, 4, 5, bits == 8, codes + (j + 1) * BLOCK, code_stride, weights[j + 1], dots[j + 1]);
       }
-      if (chunk == 0) continue;
-      const int64_t r0 = row_begin + (chunk - 1) * AMX_ROWS;  // the previous chunk's epilogue
-      int32_t (*stage)[AMX_ROWS * TILE] = dots[(chunk - 1) % 2];
       for (int r = 0; r < AMX_ROWS; ++r) {
         const int64_t row = r0 + r, at = row * blocks + b0;
         float* row_acc = acc[row - row_begin];
         float* row_accm = accm[row - row_begin];
         __m512 sum = _mm512_load_ps(row_acc), sum_mins = _mm512_load_ps(row_accm);
         for (int j = 0; j < n; ++j) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(stage[j] + r * TILE));
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j] + r * TILE));
           sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_load_ps(scales[j]), _mm512_set1_ps(a.scales[at + j])), sum);
           if (bits == 4)
             sum_mins = _mm512_fmadd_ps(_mm512_load_ps(mins[j]), _mm512_set1_ps(a.shifts[at + j]), sum_mins);
@@ -862,6 +850,18 @@ constexpr int KEYS_AHEAD = 16;  // keys (values) prefetched ahead of a long run 
 constexpr int64_t BYTES_AHEAD_L2 = 16384;  // ...and this far ahead into L2 (one thread alone keeps too few lines in
                                            // flight to stream at the machine's rate, as for the weights)
 
+// A long run streams from memory: asks for the `count` keys from `key` on KEYS_AHEAD keys ahead into L1 and
+// BYTES_AHEAD_L2 bytes ahead into L2.
+template <typename T>
+inline void prefetch_keys_ahead(const T* key, int64_t key_stride, int64_t count) {
+  const char* at = reinterpret_cast<const char*>(key);
+  const int64_t stride = key_stride * int64_t(sizeof(T));
+  for (int64_t line = 0; line < count * stride; line += 64) {
+    _mm_prefetch(at + KEYS_AHEAD * stride + line, _MM_HINT_T0);
+    _mm_prefetch(at + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
+  }
+}
+
 // Keys a run of scores reads: `count` of them, key `first + j` (a contiguous run) or key `list[j]`.
 struct KeyRun {
   const int64_t* list;
@@ -968,10 +968,7 @@ void score_run(const TileQueries& tile, int64_t m0, int64_t d, const T* keys, in
     if constexpr (q8) {
       if (amx) {
         const int8_t* key0 = keys + run.key(j0) * key_stride;
-        for (int64_t line = 0; line < 16 * key_stride; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(key0 + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(key0) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
-        }
+        prefetch_keys_ahead(key0, key_stride, 16);
         for (int i = 0; i < 16; ++i) key_scales[i] = entry_scale(key0 + i * key_stride, d);
         amx_key_dots(key0, key_stride, d / 64, tile.amx, M, amx_dots);
       }
@@ -980,11 +977,7 @@ void score_run(const TileQueries& tile, int64_t m0, int64_t d, const T* keys, in
       const int used = std::min(KEY_BLOCK, n - jj);
       const T* key[KEY_BLOCK];
       for (int i = 0; i < KEY_BLOCK; ++i) key[i] = keys + run.key(j0 + jj + std::min(i, used - 1)) * key_stride;
-      if (run.list == nullptr)  // a long run streams from memory: ask for the keys KEYS_AHEAD on
-        for (int64_t line = 0; line < KEY_BLOCK * key_stride * int64_t(sizeof(T)); line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(key[0] + KEYS_AHEAD * key_stride) + line, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(key[0]) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
-        }
+      if (run.list == nullptr) prefetch_keys_ahead(key[0], key_stride, KEY_BLOCK);
       if constexpr (q8) {
         for (int i = 0; i < used; ++i) key_scales[jj + i] = entry_scale(key[i], d);
         const int8_t* queries = tile.codes + m0 * 64;
