@@ -7,7 +7,7 @@ each part, against which `benchmarks/roofline.py` gives this CPU's peaks.
 
 Multiply-adds counted: linear layers 2 * params-per-row (one MAC each) per row, attention Hq * D * 2 per visible key
 per row (scores and the weighted sum of values), causal. One prefill per length (a prompt's forward is long enough
-to time once); `--kv-cache` picks the cache format.
+to time once); `--kv-cache` picks the cache format, `--arithmetic` the linear layers' (the prompt's, decoding's).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--quant", default="int4")
     parser.add_argument("--kv-cache", default=None, help="KV cache format (default: the model's)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--arithmetic", nargs="+", choices=["prompt", "decode"], default=["prompt"],
+                        help="the linear layers' arithmetic: the prompt's (bfloat16 tiles on AMX; what a prefill "
+                             "runs) and/or decoding's (int8), each timed in turn")
     parser.add_argument("--json", type=str, help="append one JSON line per length to this file")
     args = parser.parse_args()
     keep_freed_memory()  # as the command line does
@@ -68,12 +71,12 @@ def main() -> None:
     print(f"{args.model} ({args.quant}) on {cpu['model']}, {cpu['threads']} threads, {' '.join(cpu['flags'])}; "
           f"kernels {timed.kernels.isa}")
     heads = model.heads
-    for n in args.lengths:
+    for n, arithmetic in ((n, a) for n in args.lengths for a in args.arithmetic):
         cache = model.new_cache(n + 1)
         for part in timed.seconds:
             timed.seconds[part] = 0.0
         start = time.perf_counter()
-        prefill(model, cache, context_ids(model.vocab_size, n))
+        prefill(model, cache, context_ids(model.vocab_size, n), prompt=arithmetic == "prompt")
         total = time.perf_counter() - start
         linear, attention = timed.seconds["linear"], timed.seconds["attention"]
         linear_macs = linear_macs_per_row(model) * n
@@ -84,7 +87,7 @@ def main() -> None:
             "other_s": round(total - linear - attention, 2),
             "linear_gmacs_per_s": round(linear_macs / linear / 1e9, 1),
             "attention_gmacs_per_s": round(attention_macs / attention / 1e9, 1),
-            "isa": timed.kernels.isa, "kv_cache": args.kv_cache or "default",
+            "isa": timed.kernels.isa, "kv_cache": args.kv_cache or "default", "arithmetic": arithmetic,
         }
         print(json.dumps(record))
         if args.json:

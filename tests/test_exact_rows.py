@@ -55,6 +55,32 @@ def test_many_rows_run_in_passes_and_each_row_is_still_computed_alone(isa, quant
     assert (y - reference).norm() <= 0.01 * reference.norm()
 
 
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_the_prompt_arithmetic_computes_each_row_alone(quant):
+    """A prefill's layers (kernels.prompt_arithmetic): on AMX bfloat16 tiles, each row's numbers its own whatever
+    rows share the call (1 row, a partial group of 32, many groups; a column tile without its pair), close to the
+    de-quantized weights times the bfloat16-rounded input; elsewhere the int8 arithmetic, unchanged."""
+    torch.manual_seed(2)
+    bits = 8 if quant == "int8" else 4
+    layer = Linear.of(torch.randn(80, 1088) * 0.05, None, quant, torch.float32)  # 5 column tiles, 34 blocks
+    kernel = kernels.native()
+    x = torch.randn(77, 1088)
+    with kernels.prompt_arithmetic():
+        y = kernel.fused_linear(x, layer.packed, bits, 80)
+        alone = [kernel.fused_linear(x[i : i + 1], layer.packed, bits, 80) for i in (0, 31, 32, 63, 64, 76)]
+        some = kernel.fused_linear(x[30:70], layer.packed, bits, 80)
+    assert all(torch.equal(y[i : i + 1], row) for i, row in zip((0, 31, 32, 63, 64, 76), alone))
+    assert torch.equal(y[30:70], some)
+    decode = kernel.fused_linear(x, layer.packed, bits, 80)
+    if kernel.isa != "avx512-amx":
+        assert torch.equal(y, decode)
+        return
+    weights = dequantize(layer.packed, quant)[:80]
+    reference = x.bfloat16().float() @ weights.bfloat16().float().T
+    assert (y - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert not torch.equal(y, decode)  # the other arithmetic: why only prompts take it
+
+
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 
@@ -272,10 +298,10 @@ def test_attention_step_gives_the_separate_ops_bits(isa, normed, kv_dtype):
 TREE = Draft(torch.tensor([28, 253, 314, 1099, 17, 42, 9]), torch.tensor([-1, 0, 1, -1, 3, 3, 5]))
 
 
-def one_row_logits(model, prompt: list[int], path: list[int]) -> torch.Tensor:
+def one_row_logits(model, prompt: list[int], path: list[int], prompt_arithmetic: bool = True) -> torch.Tensor:
     """The logits after `path`, decoding it one token per forward after the prompt (plain decoding's forwards)."""
     cache = model.new_cache(len(prompt) + len(path) + 1)
-    prefill(model, cache, prompt)
+    prefill(model, cache, prompt, prompt=prompt_arithmetic)
     for token in path:
         logits = model.forward(cache, torch.tensor([token]), torch.tensor([cache.length]), torch.ones(1, 1, dtype=torch.bool))
         cache.commit_all()
@@ -320,21 +346,23 @@ def test_a_tree_forward_equals_one_row_forwards_bit_for_bit(quantized_smollm2):
 
 @pytest.mark.real_model
 def test_a_prompt_forward_equals_one_row_forwards_bit_for_bit(quantized_smollm2):
-    """A prompt's forward (40 rows: on AMX machines the kernels' tile path takes the first 32) leaves the cache and
-    the last logits that decoding the prompt one token at a time leaves."""
+    """A forward of many rows in decoding's arithmetic (40 rows: on AMX machines the kernels' int8 tile path takes
+    the first 32) leaves the cache and the last logits that decoding them one token at a time leaves. (A target's
+    prompt runs in the prompt arithmetic instead, exact among prompts: the next test.)"""
     model = quantized_smollm2
     prompt = model.tokenizer("def fibonacci(n):\n    " + "a, b = b, a + b\n    " * 6)["input_ids"][:40]
     assert len(prompt) == 40
     cache = model.new_cache(len(prompt) + 2)
-    prefill(model, cache, prompt[:-1])
+    prefill(model, cache, prompt[:-1], prompt=False)
     together = tree_request(cache, prompt[-1], Draft.empty()).run(model)[0]  # the logits after the whole prompt
-    assert torch.equal(together, one_row_logits(model, prompt[:1], prompt[1:]))
+    assert torch.equal(together, one_row_logits(model, prompt[:1], prompt[1:], prompt_arithmetic=False))
 
 
 @pytest.mark.real_model
 def test_a_prompt_in_chunks_leaves_what_one_forward_leaves(quantized_smollm2, monkeypatch):
     """A long prompt is prefilled in forwards of PREFILL_CHUNK rows: the logits, the cache and the hidden states it
-    leaves are bit for bit those of one forward over the whole prompt (here chunks of 16 rows over 40)."""
+    leaves are bit for bit those of one forward over the whole prompt (here chunks of 16 rows over 40, the last
+    of 8), in the prompt arithmetic."""
     from specdecode.models import base
 
     model = quantized_smollm2

@@ -22,8 +22,8 @@ def _turns():
 
 
 def chat_local(decoder, max_new_tokens: int, sampling: dict) -> int:
-    """Each turn sends the whole conversation; the decoder's prefix cache holds the previous turns' KV, so a turn
-    prefills only its new message (and the template's tokens around the last answer)."""
+    """Each turn sends the whole conversation; the decoder's prefix cache holds the previous turn's prompt KV, so a
+    turn prefills only the last answer and its new message."""
     messages: list[dict] = []
     for line in _turns():
         messages.append({"role": "user", "content": line})

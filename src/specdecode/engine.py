@@ -117,7 +117,9 @@ def decode_steps(
     driver answers by sending its [N+1, V] target logits. With a governor, steps where speculation does not pay
     run plain: the drafter is not asked (its commit gets the empty draft, as for a draft trimmed to nothing).
     With a prefix cache, the prompt's longest stored prefix is restored instead of prefilled, and a generation that
-    ends stores its prompt and answer's committed KV (what the next turn of a conversation starts with)."""
+    ends stores its prompt's KV. Not the answer's: decoding computed those entries in its own arithmetic, which a
+    prefill of the same tokens (kernels.prompt_arithmetic) need not reproduce, and a reused entry must be what a
+    full prefill gives, so that a request's answer does not depend on what the cache held."""
     check_prompt(target, len(prompt_ids), max_new_tokens)
     if not params.greedy and not drafter.supports_sampling:
         raise SpecDecodeError(f"drafter '{drafter.name}' supports greedy decoding only.", "Use --temperature 0.")
@@ -151,7 +153,7 @@ def decode_steps(
         new = _finish(new, target.eos_token_ids, max_new_tokens - stats.new_tokens, stats)
         stats.new_tokens += len(new)
         if stats.finish_reason and prefix_cache is not None:
-            _store_prefix(prefix_cache, context[: len(prompt_ids) + stats.new_tokens], cache)
+            prefix_cache.store(list(prompt_ids), cache)
         stats.seconds = time.perf_counter() - start
         yield new
         if stats.finish_reason:
@@ -208,14 +210,6 @@ def _restore_prefix(prefix_cache: PrefixCache | None, prompt_ids: list[int], cac
     if n:
         prefix_cache.restore(entry, n, cache)
     return n
-
-
-def _store_prefix(prefix_cache: PrefixCache, tokens: list[int], cache: KVCache) -> None:
-    """Store the committed KV of a finished generation's tokens (prompt + answer). The answer's last token is
-    never in the cache (no forward has run on it yet), and the cache may hold tokens past an end-of-sequence cut:
-    only the entries of the leading tokens both cover are stored."""
-    n = min(cache.length, len(tokens))
-    prefix_cache.store(tokens[:n], cache)
 
 
 def _finish(new: list[int], eos: frozenset[int], room: int, stats: Stats) -> list[int]:

@@ -4,17 +4,18 @@ with the same tokens (the next turn of a chat, another question about the same d
 An entry holds copies of a KVCache's first n entries ([L, 1, H, n, D] keys and values) and the n token ids they were
 computed for. The entry for tokens t[0..n) is valid for any prompt that starts with t[0..m), m <= n: an entry's
 keys and values depend only on the tokens at and before it. So a lookup takes the longest common prefix of the
-prompt with any entry (turn 1's prompt + answer reused by turn 2, which adds a message; a document prompt's first
-N tokens reused by another question about it), restores those entries into the request's fresh cache, and the
-prefill runs only the rest: always at least the prompt's last token, whose logits the first new token comes from.
+prompt with any entry (turn 1's prompt reused by turn 2, which adds turn 1's answer and a message; a document
+prompt's first N tokens reused by another question about it), restores those entries into the request's fresh
+cache, and the prefill runs only the rest: always at least the prompt's last token, whose logits the first new
+token comes from. The engine stores prompts only (engine.decode says why).
 
 Entries are evicted least recently used first once their bytes pass max_bytes (an entry larger than the bound is
 not stored). Stored tensors are never written after they are stored, so a restore copies them outside the lock; the
 lock guards the index only (the server's worker and API callers in other threads may share one cache).
 
-With row-exact kernels (int4/int8 weights) an entry holds bit for bit what a prefill of its tokens computes (every
-row of a forward equals its one-row forward, whichever forward committed it), so reuse changes no output. With
-dense weights on torch's kernels a reused row may differ from a fresh prefill's in its last bits.
+With row-exact kernels (int4/int8 weights) an entry holds bit for bit what a prefill of its tokens computes (a
+prefill's rows do not depend on how the prompt was split into forwards), so reuse changes no output. With dense
+weights on torch's kernels a reused row may differ from a fresh prefill's in its last bits.
 """
 
 from __future__ import annotations

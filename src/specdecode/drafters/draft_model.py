@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import OptionError, SpecDecodeError
-from ..models.base import CausalLM, prefill
+from ..models.base import CATCH_UP_PROMPT_ROWS, CausalLM, prefill
 from ..models.native.linear import Linear
 from ..sampling import SamplingParams
 from ..tree import Draft
@@ -90,11 +90,12 @@ class DraftModelDrafter(Drafter):
         start = cache.length + self.skipped  # the first context token the cache lacks
         if self.window and len(context) - start > self.window + SINKS:  # cheaper to start a new window
             if cache.length < SINKS:  # nothing is skipped before the sinks are in
-                prefill(self.model, cache, context[cache.length : SINKS])
+                prefill(self.model, cache, context[cache.length : SINKS], prompt=False)
             cache.truncate(SINKS)
             self.skipped = len(context) - self.window - SINKS
             start = len(context) - self.window
-        return prefill(self.model, cache, context[start:])
+        rest = context[start:]
+        return prefill(self.model, cache, rest, prompt=len(rest) >= CATCH_UP_PROMPT_ROWS)
 
     def commit(self, verdict, draft, target_logits) -> None:
         self.tree.update(verdict, draft)

@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import SpecDecodeError, OptionError
-from ..models.base import CausalLM, prefill
+from ..models.base import CATCH_UP_PROMPT_ROWS, CausalLM, prefill
 from .base import Drafter
 from .draft_length import draft_length
 
@@ -153,7 +153,8 @@ class DraftView:
         self.cache.truncate(min(common, len(ids) - 1))  # the last id runs again: its logits are the root's
         self.ids = ids
         self.nodes = []
-        return prefill(self.model, self.cache, ids[self.cache.length :])
+        rest = ids[self.cache.length :]
+        return prefill(self.model, self.cache, rest, prompt=len(rest) >= CATCH_UP_PROMPT_ROWS)
 
     def grow(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """Run draft tokens below tree nodes (-1: the committed text) in one forward; return their [F, Vd] logits.

@@ -4,7 +4,7 @@ bit for bit what N plain decoding steps give.
 
 The extension is compiled once per machine kind on first use (torch's cpp_extension, g++), cached under
 ~/.cache/specdecode/kernels/, and picks its code path at run time from the CPU's flags: AMX (passes of 32 rows and
-more; AVX-512 VNNI for the rest), AVX-512 VNNI, AVX2 (vpmaddubsw), or a scalar path that computes the same numbers.
+more; AVX-512 VNNI for the rest; a prompt's decoder layers in bfloat16 tiles, `prompt_arithmetic`), AVX-512 VNNI, AVX2 (vpmaddubsw), or a scalar path that computes the same numbers.
 Where it cannot be built (no compiler), `native()` returns None with the reason in `status()`, and the model files
 fall back to torch's kernels (rows then round differently, and the speed of tree verification is torch's).
 """
@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -27,12 +28,28 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 ISAS = ("scalar", "avx2", "avx512-vnni", "avx512-amx")  # index = the code the C++ side takes
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 _ISA_FLAGS = {
-    "avx512-amx": _AVX512 | {"amx_tile", "amx_int8"},
+    "avx512-amx": _AVX512 | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"},
     "avx512-vnni": _AVX512,
     "avx2": {"avx2", "fma", "f16c"},
     "scalar": set(),
 }
 _lock = threading.Lock()
+_arithmetic = threading.local()  # .prompt: this thread is prefilling a prompt (prompt_arithmetic)
+
+
+@contextmanager
+def prompt_arithmetic(on: bool = True):
+    """Within it, this thread's quantized decoder layers run in the prompt arithmetic where the CPU has AMX
+    (bfloat16 tiles, cpu.cpp: prompt_linear_amx), several times faster on a prompt's many rows. Its rows are exact
+    among themselves (a prompt in any chunks, or restored from the prefix cache, gives the same bits) but differ
+    from the int8 arithmetic of decoding and verification, so only a prompt's prefill, which plain and speculative
+    decoding share, may use it. Elsewhere it changes nothing."""
+    before = getattr(_arithmetic, "prompt", False)
+    _arithmetic.prompt = on
+    try:
+        yield
+    finally:
+        _arithmetic.prompt = before
 
 
 @lru_cache(maxsize=1)
@@ -120,11 +137,12 @@ class Kernels:
     def fused_linear(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n_out: int, bias=None, norm=None,
                      act: str | None = None, post_norm=None, residual=None, eps: float = 0.0) -> torch.Tensor:
         """pre(x) @ W.T [+ bias] [-> rms_norm(., post_norm)] [added into residual in place], x [M, K'] float32 ->
-        [M, n_out]; pre = rms_norm(x, norm), act(gate) * up for x = [gate, up] (act "silu" or "gelu"), or none."""
+        [M, n_out]; pre = rms_norm(x, norm), act(gate) * up for x = [gate, up] (act "silu" or "gelu"), or none.
+        Inside prompt_arithmetic(), in the prompt arithmetic."""
         pre = 1 if norm is not None else {None: 0, "silu": 2, "gelu": 3}[act]
         return self.module.fused_linear(
             x, packed, bits, n_out, _or_empty(bias), pre, _or_empty(norm), _or_empty(post_norm), _or_empty(residual),
-            eps, ISAS.index(self.isa),
+            eps, ISAS.index(self.isa), getattr(_arithmetic, "prompt", False),
         )
 
     def attention_step(self, qkv, hq: int, hkv: int, q_norm, k_norm, eps: float, cos, sin, keys, values, slots,

@@ -663,8 +663,170 @@ void amx_key_dots(const int8_t* keys, int64_t key_stride, int64_t chunks, const 
 }
 
 #pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
+// Prompt arithmetic (AMX, a prefill's decoder layers only): activations rounded to bfloat16, weights decompressed
+// once per call to bfloat16 (w = scale * code + min, rounded once), and tdpbf16ps accumulating each output in a
+// float32 tile across all inputs, with one store per panel of PROMPT_PANEL blocks. The int8 path above stores and
+// rescales every block's dot products, which caps it far below the tile unit's rate; this one keeps the tiles busy.
+// A row's numbers still depend on that row alone (its own rounded activations, the same weights, the same order of
+// accumulation, whatever rows, chunk or thread count), so a prompt prefilled in any chunks gives the same bits, and a
+// prompt restored from the prefix cache equals a full prefill. They differ from the int8 path's numbers, which is why
+// only the prompt takes this path: plain and speculative decoding share a prompt's prefill, and every verified or
+// decoded row keeps the int8 arithmetic, so speculation stays token-identical to plain decoding.
+constexpr int PROMPT_PANEL = 32;  // blocks per pass: the rows' bfloat16 activations of a panel stay in L2 while every
+                                  // column tile of the thread reads them
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+
+// Tiles 0-3: float32 sums [16 rows, 16 columns] of row groups 0/1 x column tiles 0/1 (0: rows 0-15 x tile 0, 1: rows
+// 0-15 x tile 1, 2: rows 16-31 x tile 0, 3: rows 16-31 x tile 1); 4, 5: those rows' activations [16 rows, 32
+// bfloat16]; 6, 7: the two column tiles' weights of one block [16 input pairs, 16 columns x 2 bfloat16].
+TileConfig prompt_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+  return config;
+}
+
+// One packed block (16 columns x 32 inputs) -> out [16 pairs p][16 columns j][2]: inputs 2p, 2p+1 of column j, the
+// layout tdpbf16ps reads its second operand in.
+void decompress_block(int bits, const uint8_t* blk, uint16_t* out) {
+  alignas(64) static const uint16_t pair_order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(pair_order);
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (bits == 4 ? 256 : 512))));
+  __m512 w[BLOCK];  // w[i]: input i's weights of the 16 columns
+  if (bits == 4) {
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i lanes = _mm512_loadu_si512(blk + 64 * c);  // column j's 4 bytes in lane j
+      for (int b = 0; b < 4; ++b) {
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lanes, 8 * b), low4);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(lanes, 8 * b + 4), low4);
+        w[4 * c + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, min);
+        w[16 + 4 * c + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), scale, min);
+      }
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) {
+      const __m512i lanes = _mm512_loadu_si512(blk + 64 * c);
+      for (int b = 0; b < 4; ++b) {  // byte b, sign-extended
+        const __m512i code = _mm512_srai_epi32(_mm512_slli_epi32(lanes, 24 - 8 * b), 24);
+        w[4 * c + b] = _mm512_mul_ps(_mm512_cvtepi32_ps(code), scale);
+      }
+    }
+  }
+  for (int p = 0; p < BLOCK / 2; ++p) {  // [inputs 2p | 2p+1] -> interleaved by column
+    const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[2 * p + 1], w[2 * p]));
+    _mm512_storeu_si512(out + 32 * p, _mm512_permutexvar_epi16(order, halves));
+  }
+}
+
+// rows x [rows, k] float32 (row stride `stride`) -> bfloat16 [padded, k], rows past `rows` zero.
+void bf16_rows(const float* x, int64_t rows, int64_t padded, int64_t k, int64_t stride, uint16_t* a) {
+  at::parallel_for(0, padded, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* row = a + r * k;
+      if (r >= rows) {
+        std::memset(row, 0, k * sizeof(uint16_t));
+        continue;
+      }
+      for (int64_t i = 0; i < k; i += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * stride + i + 16), _mm512_loadu_ps(x + r * stride + i));
+        _mm512_storeu_si512(row + i, reinterpret_cast<__m512i>(v));
+      }
+    }
+  });
+}
+
+// Column tiles t0 (and t0 + 1 where `two`) of 32 rows, one panel of n blocks: sums continued from c (row stride
+// c_stride floats) unless `first`, and stored back there.
+inline void prompt_panel(const uint16_t* a0, int64_t a_stride, const uint16_t* b0, const uint16_t* b1, int64_t n,
+                         bool two, bool first, float* c, int64_t c_stride) {
+  float* c_low = c + 16 * c_stride;  // rows 16-31
+  const int64_t a_bytes = a_stride * 2, c_bytes = c_stride * 4;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, c_bytes);
+    _tile_loadd(2, c_low, c_bytes);
+    if (two) {
+      _tile_loadd(1, c + TILE, c_bytes);
+      _tile_loadd(3, c_low + TILE, c_bytes);
+    }
+  }
+  const uint16_t* a1 = a0 + 16 * a_stride;
+  for (int64_t j = 0; j < n; ++j) {
+    _tile_loadd(4, a0 + j * BLOCK, a_bytes);
+    _tile_loadd(5, a1 + j * BLOCK, a_bytes);
+    _tile_loadd(6, b0 + j * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (two) {
+      _tile_loadd(7, b1 + j * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, c_bytes);
+  _tile_stored(2, c_low, c_bytes);
+  if (two) {
+    _tile_stored(1, c + TILE, c_bytes);
+    _tile_stored(3, c_low + TILE, c_bytes);
+  }
+}
+
+// rows x [rows, k] float32 times the packed weights -> out [rows, tiles * 16] (row stride out_stride), in the
+// prompt arithmetic. Threads split the column tiles (in pairs); each thread goes through the inputs panel by panel,
+// decompressing its tiles' blocks of that panel once for all rows.
+void prompt_linear_amx(int bits, const float* x, int64_t rows, int64_t k, int64_t stride, const uint8_t* weights,
+                       int64_t tiles, int64_t blocks, int64_t block_bytes, float* out, int64_t out_stride) {
+  const int64_t padded = (rows + 31) / 32 * 32, full = rows / 32 * 32, width = tiles * TILE;
+  Uninit<uint16_t> a;  // [padded, k] bfloat16
+  a.resize(padded * k);
+  bf16_rows(x, rows, padded, k, stride, a.data());
+  Uninit<float> tail;  // the last, partial row group's sums [32, width]
+  if (padded > full) tail.resize(32 * width);
+  const int64_t tile_bytes = blocks * block_bytes;
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    static const TileConfig config = prompt_config();
+    amx_load(config);
+    Uninit<uint16_t> b;  // [2][PROMPT_PANEL][512]: the pair's decompressed blocks of the panel
+    b.resize(2 * PROMPT_PANEL * 512);
+    for (int64_t p0 = 0; p0 < blocks; p0 += PROMPT_PANEL) {
+      const int64_t n = std::min<int64_t>(PROMPT_PANEL, blocks - p0);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t t0 = 2 * pair;
+        const bool two = t0 + 1 < tiles;
+        for (int64_t j = 0; j < n; ++j) {
+          decompress_block(bits, weights + t0 * tile_bytes + (p0 + j) * block_bytes, b.data() + j * 512);
+          if (two)
+            decompress_block(bits, weights + (t0 + 1) * tile_bytes + (p0 + j) * block_bytes,
+                             b.data() + (PROMPT_PANEL + j) * 512);
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += 32) {
+          const bool in_out = r0 < full;
+          float* c = in_out ? out + r0 * out_stride + t0 * TILE : tail.data() + t0 * TILE;
+          prompt_panel(a.data() + r0 * k + p0 * BLOCK, k, b.data(), b.data() + PROMPT_PANEL * 512, n, two, p0 == 0,
+                       c, in_out ? out_stride : width);
+        }
+      }
+    }
+  });
+  for (int64_t r = full; r < rows; ++r)
+    std::memcpy(out + r * out_stride, tail.data() + (r - full) * width, width * sizeof(float));
+}
+
+#pragma GCC pop_options
 #else
 bool amx_permitted() { return false; }
+void prompt_linear_amx(int, const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                       int64_t) {}
 void tile_rows_amx(int, const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t) {}
 void amx_query_layout(const int8_t*, int64_t, int64_t, int8_t*) {}
 void amx_key_dots(const int8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t (*)[16]) {}
@@ -703,10 +865,15 @@ void check_packed(const torch::Tensor& packed, int64_t bits, int64_t k) {
 }
 
 // rows x [rows, k] (row stride `stride`) times the packed weights -> out [rows, tiles * 16] (row stride out_stride).
+// With `prompt`, where the CPU has AMX, in the prompt arithmetic (prompt_linear_amx).
 void quant_linear_into(const float* x, int64_t rows, int64_t k, int64_t stride, const torch::Tensor& packed,
-                       int64_t bits, int64_t isa, float* out, int64_t out_stride) {
+                       int64_t bits, int64_t isa, float* out, int64_t out_stride, bool prompt = false) {
   if (rows == 0) return;
   const int64_t tiles = packed.size(0), blocks = packed.size(1);
+  if (prompt && isa == AMX && amx_permitted()) {
+    return prompt_linear_amx(static_cast<int>(bits), x, rows, k, stride, packed.data_ptr<uint8_t>(), tiles, blocks,
+                             packed.size(2), out, out_stride);
+  }
   const QuantRows a = quantize_rows(x, rows, k, stride, static_cast<int>(isa));
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = blocks * packed.size(2);
@@ -1774,10 +1941,11 @@ torch::Tensor glu(torch::Tensor gate_up, bool gelu, int64_t isa) {
 enum Pre { PRE_NONE = 0, PRE_NORM = 1, PRE_SILU = 2, PRE_GELU = 3 };
 
 // y = pre(x) @ W^T [+ bias] [-> rms_norm(y, post_norm)], x [M, K'] float32 -> y [M, n_out]; with a residual
-// [M, n_out] float32 (contiguous), residual += y in place and the residual is returned.
+// [M, n_out] float32 (contiguous), residual += y in place and the residual is returned. `prompt`: a prefill's
+// layer, in the prompt arithmetic where the CPU has AMX (prompt_linear_amx).
 torch::Tensor fused_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, int64_t n_out, torch::Tensor bias,
                            int64_t pre, torch::Tensor norm, torch::Tensor post_norm, torch::Tensor residual,
-                           double eps, int64_t isa) {
+                           double eps, int64_t isa, bool prompt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be [M, K] float32");
   const int64_t rows = x.size(0);
   const bool gated = pre == PRE_SILU || pre == PRE_GELU;
@@ -1805,7 +1973,8 @@ torch::Tensor fused_linear(torch::Tensor x, torch::Tensor packed, int64_t bits, 
     });
   }
   auto y = torch::empty({rows, width}, x.options());
-  quant_linear_into(input.data_ptr<float>(), rows, k, input.stride(0), packed, bits, isa, y.data_ptr<float>(), width);
+  quant_linear_into(input.data_ptr<float>(), rows, k, input.stride(0), packed, bits, isa, y.data_ptr<float>(), width,
+                    prompt);
   const bool has_bias = bias.defined() && bias.numel() > 0, has_post = post_norm.defined() && post_norm.numel() > 0;
   const bool has_residual = residual.defined() && residual.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() && bias.numel() == n_out),

@@ -9,6 +9,7 @@ import torch
 
 from ..cache import KVBatch, KVCache
 from ..errors import OptionError, SpecDecodeError
+from ..kernels import prompt_arithmetic
 from ..tree import PROBE, Draft, ancestor_mask, depths, with_root
 
 
@@ -177,19 +178,31 @@ def needs_native_backend(model: CausalLM) -> OptionError:
 
 
 PREFILL_CHUNK = 512  # prompt rows per forward: bounds the activations a long prompt holds at once
+CATCH_UP_PROMPT_ROWS = 64  # a drafter's catch-up prefill of at least this many tokens runs in the prompt arithmetic
 
 
 def prefill(
-    model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor, hidden: HiddenStates | None = None
+    model: CausalLM, cache: KVCache, token_ids: list[int] | torch.Tensor, hidden: HiddenStates | None = None,
+    prompt: bool = True,
 ) -> torch.Tensor:
     """Append committed tokens to the cache; return the [V] logits after the last one (and fill `hidden`, if
     given, with every token's states).
 
     A long prompt runs in forwards of PREFILL_CHUNK rows, each attending to the cache the earlier ones wrote: the
     activations of an 8k-token prompt's MLP would otherwise take gigabytes, fresh pages on every layer. Rows do not
-    depend on the rows beside them, so the chunking changes no number of a row-exact model."""
+    depend on the rows beside them, so the chunking changes no number of a row-exact model.
+
+    `prompt`: the decoder layers run in the kernels' prompt arithmetic (kernels.prompt_arithmetic: faster on many
+    rows where the CPU has AMX, and the same bits in any chunks). A target's prompt always does; a drafter catching
+    up on fewer than CATCH_UP_PROMPT_ROWS tokens passes False: the prompt arithmetic decompresses every weight per
+    call, which only many rows repay (a drafter's numbers need not match any other forward's)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)  # [q]
     assert cache.pending == 0, "prefill needs a cache without uncommitted entries"
+    with prompt_arithmetic(prompt):
+        return _prefill_chunks(model, cache, ids, hidden)
+
+
+def _prefill_chunks(model: CausalLM, cache: KVCache, ids: torch.Tensor, hidden: HiddenStates | None) -> torch.Tensor:
     states = []  # each chunk's [K, rows, H] hidden states, where asked
     for start in range(0, ids.shape[0], PREFILL_CHUNK):
         chunk = ids[start : start + PREFILL_CHUNK]  # [c]
