@@ -676,6 +676,7 @@ void amx_key_dots(const int8_t* keys, int64_t key_stride, int64_t chunks, const 
 // decoded row keeps the int8 arithmetic, so speculation stays token-identical to plain decoding.
 constexpr int PROMPT_PANEL = 32;  // blocks per pass: the rows' bfloat16 activations of a panel stay in L2 while every
                                   // column tile of the thread reads them
+constexpr int PROMPT_PREFETCH = 2;  // blocks ahead whose activations are requested into L1
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -696,31 +697,33 @@ void decompress_block(int bits, const uint8_t* blk, uint16_t* out) {
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(pair_order);
   const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (bits == 4 ? 256 : 512))));
-  __m512 w[BLOCK];  // w[i]: input i's weights of the 16 columns
+  // pair p of inputs (2p, 2p+1) -> 16 columns' [bf16 w(2p), bf16 w(2p+1)], rounded to nearest even
+  const auto store_pair = [&](int p, __m512 even, __m512 odd) {
+    const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+    _mm512_storeu_si512(out + 32 * p, _mm512_permutexvar_epi16(order, halves));
+  };
   if (bits == 4) {
     const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     const __m512i low4 = _mm512_set1_epi32(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i lanes = _mm512_loadu_si512(blk + 64 * c);  // column j's 4 bytes in lane j
-      for (int b = 0; b < 4; ++b) {
-        const __m512i low = _mm512_and_si512(_mm512_srli_epi32(lanes, 8 * b), low4);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(lanes, 8 * b + 4), low4);
-        w[4 * c + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), scale, min);
-        w[16 + 4 * c + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), scale, min);
+    const auto weight = [&](__m512i lanes, int shift) {
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, shift), low4)), scale, min);
+    };
+    for (int c = 0; c < 4; ++c) {  // chunk c: bytes b of column j hold inputs 4c + b (low) and 16 + 4c + b (high)
+      const __m512i lanes = _mm512_loadu_si512(blk + 64 * c);
+      for (int h = 0; h < 2; ++h) {  // bytes 2h, 2h + 1: pairs 2c + h and 8 + 2c + h
+        store_pair(2 * c + h, weight(lanes, 16 * h), weight(lanes, 16 * h + 8));
+        store_pair(8 + 2 * c + h, weight(lanes, 16 * h + 4), weight(lanes, 16 * h + 12));
       }
     }
   } else {
-    for (int c = 0; c < 8; ++c) {
+    const auto weight = [&](__m512i lanes, int byte) {  // byte `byte` of each lane, sign-extended, times the scale
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(lanes, 24 - 8 * byte), 24)), scale);
+    };
+    for (int c = 0; c < 8; ++c) {  // chunk c: byte b of column j holds input 4c + b
       const __m512i lanes = _mm512_loadu_si512(blk + 64 * c);
-      for (int b = 0; b < 4; ++b) {  // byte b, sign-extended
-        const __m512i code = _mm512_srai_epi32(_mm512_slli_epi32(lanes, 24 - 8 * b), 24);
-        w[4 * c + b] = _mm512_mul_ps(_mm512_cvtepi32_ps(code), scale);
-      }
+      store_pair(2 * c, weight(lanes, 0), weight(lanes, 1));
+      store_pair(2 * c + 1, weight(lanes, 2), weight(lanes, 3));
     }
-  }
-  for (int p = 0; p < BLOCK / 2; ++p) {  // [inputs 2p | 2p+1] -> interleaved by column
-    const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[2 * p + 1], w[2 * p]));
-    _mm512_storeu_si512(out + 32 * p, _mm512_permutexvar_epi16(order, halves));
   }
 }
 
@@ -762,6 +765,13 @@ inline void prompt_panel(const uint16_t* a0, int64_t a_stride, const uint16_t* b
   }
   const uint16_t* a1 = a0 + 16 * a_stride;
   for (int64_t j = 0; j < n; ++j) {
+    // the rows' activations of a later block into L1: tile loads from L2 wait, the hardware prefetcher does not
+    // follow rows this far apart
+    if (j + PROMPT_PREFETCH < n)
+      for (int r = 0; r < 16; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(a0 + r * a_stride + (j + PROMPT_PREFETCH) * BLOCK), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a1 + r * a_stride + (j + PROMPT_PREFETCH) * BLOCK), _MM_HINT_T0);
+      }
     _tile_loadd(4, a0 + j * BLOCK, a_bytes);
     _tile_loadd(5, a1 + j * BLOCK, a_bytes);
     _tile_loadd(6, b0 + j * 512, 64);
