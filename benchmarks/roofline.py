@@ -26,7 +26,7 @@ from specdecode import kernels
 from specdecode.models.native.linear import pack
 from specdecode.tune.machine import capability
 
-from kernels import SHAPES  # benchmarks/kernels.py: the layer shapes of each model
+from linear_kernels import SHAPES  # benchmarks/linear_kernels.py: the layer shapes of each model
 
 SOURCE = r"""
 #include <torch/extension.h>

@@ -2,7 +2,7 @@
 from memory as in a real forward): milliseconds per pass over every layer, by number of rows, and whether a row's
 result depends on the other rows.
 
-    python benchmarks/kernels.py [--model-shape qwen1.5b] [--rows 1,2,4,8,16,32] [--candidates ...]
+    python benchmarks/linear_kernels.py [--model-shape qwen1.5b] [--rows 1,2,4,8,16,32] [--candidates ...]
 
 Candidates:
 - specdecode-amx / -avx512 / -avx2 / -scalar: specdecode's kernels (int8 activations per row and block of 32, exact
