@@ -150,8 +150,8 @@ def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq, hkv", [(6, 2), (3, 1), (7, 1), (4, 4), (16, 1)])
 def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, hkv):
-    """At a long context the rows of a verification (or a prompt) share their keys, which the AVX-512 path reads once
-    per tile of rows: each row must still get what it gets alone, a one-row decode step over its visible keys, for
+    """At a long context the rows of a verification (or a prompt) share their keys, which the AVX-512 and AVX2 paths
+    read once per tile of rows: each row must still get what it gets alone, a one-row decode step over its visible keys, for
     every head grouping (tiles of 24 / heads rows; 16 heads split into two calls), a causal prompt's rows and a
     tree's rows (ancestors past a shared context), and rows whose visible keys have holes."""
     torch.manual_seed(2)

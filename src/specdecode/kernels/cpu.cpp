@@ -1489,6 +1489,205 @@ void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, 
   }
 }
 
+// ---- AVX2 attention in tiles (attention_tiled): the rows of a tile share every load and conversion of the keys and
+// values they all see, and each (row, head) vector gets attend_group_avx2's arithmetic exactly (the same scores, the
+// same softmax blocking, the same chain of FMAs per value element in visible order), so a row's output does not
+// depend on the tile it is in, and a tile of one row is a one-row step.
+constexpr int SCORE_VECTORS_AVX2 = 8;  // query vectors per register block of scores
+constexpr int WEIGH_VECTORS_AVX2 = 6;  // query vectors per register block of a value pass (x 2 chunks of 8)
+
+// One key against VB query vectors: float keys -> reduce256(8-lane FMA sums over D in order) * scale; int8 keys ->
+// q8_score of the exact dot product (codes widened to int16, vpmaddwd).
+template <int VB, typename T>
+inline void score_key_avx2(const float* queries, const int16_t* codes, const float* factors, const T* key, int64_t d,
+                           float scale, float* s) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    __m256i acc[VB];
+#pragma GCC unroll 16
+    for (int v = 0; v < VB; ++v) acc[v] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m256i k = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key + c)));
+#pragma GCC unroll 16
+      for (int v = 0; v < VB; ++v)
+        acc[v] = _mm256_add_epi32(
+            acc[v], _mm256_madd_epi16(k, _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + v * d + c))));
+    }
+    const float key_scale = entry_scale(key, d);
+#pragma GCC unroll 16
+    for (int v = 0; v < VB; ++v) {
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[v]), _mm256_extracti128_si256(acc[v], 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      s[v] = q8_score(_mm_cvtsi128_si32(t), factors[v], key_scale);
+    }
+  } else {
+    __m256 acc[VB];
+#pragma GCC unroll 16
+    for (int v = 0; v < VB; ++v) acc[v] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 k = load8(key + c);
+#pragma GCC unroll 16
+      for (int v = 0; v < VB; ++v) acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + v * d + c), k, acc[v]);
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < VB; ++v) s[v] = reduce256(acc[v]) * scale;
+  }
+}
+
+// Scores of vectors [m0, m0 + VB) against `count` keys (key list[j], or key0 + j without a list) at visible index
+// first + j: scores[m * padded + first + j], maxima folded into best[m].
+template <int VB, typename T>
+void score_keys_avx2(const float* queries, const int16_t* codes, const float* factors, int64_t m0, const T* keys,
+                     int64_t key_stride, const int64_t* list, int64_t key0, int64_t count, int64_t d, float scale,
+                     float* scores, int64_t padded, int64_t first, float* best) {
+  float s[VB];
+  for (int64_t j = 0; j < count; ++j) {
+    const T* key = keys + (list ? list[j] : key0 + j) * key_stride;
+    score_key_avx2<VB, T>(queries + m0 * d, codes + m0 * d, factors + m0, key, d, scale, s);
+#pragma GCC unroll 16
+    for (int v = 0; v < VB; ++v) {
+      scores[(m0 + v) * padded + first + j] = s[v];
+      best[m0 + v] = std::max(best[m0 + v], s[v]);
+    }
+  }
+}
+
+template <typename T, size_t... I>
+void score_vectors_avx2(int vb, std::index_sequence<I...>, const float* queries, const int16_t* codes,
+                        const float* factors, int64_t m0, const T* keys, int64_t key_stride, const int64_t* list,
+                        int64_t key0, int64_t count, int64_t d, float scale, float* scores, int64_t padded,
+                        int64_t first, float* best) {
+  using Fn = decltype(&score_keys_avx2<1, T>);
+  static const Fn table[] = {score_keys_avx2<int(I) + 1, T>...};
+  table[vb - 1](queries, codes, factors, m0, keys, key_stride, list, key0, count, d, scale, scores, padded, first,
+                best);
+}
+
+// sums[m][c0 .. c0 + 16) += p(m, j) * value(j) for vectors [m0, m0 + VB) over `count` values in order (floats,
+// [count][d]), p(m, j) = probs[m * padded + first + j]: one chain of FMAs per element, in memory between passes.
+template <int VB>
+void weigh_pass_avx2(const float* probs, int64_t padded, int64_t first, int64_t m0, const float* values,
+                     int64_t count, int64_t d, int64_t c0, float* sums) {
+  __m256 acc[VB][2];
+#pragma GCC unroll 16
+  for (int v = 0; v < VB; ++v)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) acc[v][c] = _mm256_loadu_ps(sums + (m0 + v) * d + c0 + 8 * c);
+  for (int64_t j = 0; j < count; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(values + j * d + c0), v1 = _mm256_loadu_ps(values + j * d + c0 + 8);
+#pragma GCC unroll 16
+    for (int v = 0; v < VB; ++v) {
+      const __m256 p = _mm256_broadcast_ss(probs + (m0 + v) * padded + first + j);
+      acc[v][0] = _mm256_fmadd_ps(p, v0, acc[v][0]);
+      acc[v][1] = _mm256_fmadd_ps(p, v1, acc[v][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < VB; ++v)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(sums + (m0 + v) * d + c0 + 8 * c, acc[v][c]);
+}
+
+template <size_t... I>
+void weigh_vectors_avx2(int vb, std::index_sequence<I...>, const float* probs, int64_t padded, int64_t first,
+                        int64_t m0, const float* values, int64_t count, int64_t d, int64_t c0, float* sums) {
+  using Fn = decltype(&weigh_pass_avx2<1>);
+  static const Fn table[] = {weigh_pass_avx2<int(I) + 1>...};
+  table[vb - 1](probs, padded, first, m0, values, count, d, c0, sums);
+}
+
+// Vectors [m0, m1) += their probabilities times `count` values (value list[j], or key0 + j) from visible index
+// `first`: by blocks of values converted once to floats (value_chunk8's numbers) that stay in L1 across the passes.
+template <typename T>
+void weigh_values_avx2(const float* probs, int64_t padded, int64_t first, int64_t m0, int64_t m1, const T* values,
+                       int64_t value_stride, const int64_t* list, int64_t key0, int64_t count, int64_t d, float* sums,
+                       std::vector<float>& floats) {
+  const int64_t block = std::max<int64_t>(8, VALUE_BLOCK_BYTES / (4 * d));
+  floats.resize(block * d);
+  for (int64_t j0 = 0; j0 < count; j0 += block) {
+    const int64_t n = std::min(block, count - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* value = values + (list ? list[j0 + j] : key0 + j0 + j) * value_stride;
+      for (int64_t c = 0; c < d / 8; ++c) _mm256_storeu_ps(floats.data() + j * d + 8 * c, value_chunk8(value, c, d));
+    }
+    for (int64_t mb = m0; mb < m1; mb += WEIGH_VECTORS_AVX2) {
+      const int vb = static_cast<int>(std::min<int64_t>(WEIGH_VECTORS_AVX2, m1 - mb));
+      for (int64_t c0 = 0; c0 < d; c0 += 16)
+        weigh_vectors_avx2(vb, std::make_index_sequence<WEIGH_VECTORS_AVX2>(), probs, padded, first + j0, mb,
+                           floats.data(), n, d, c0, sums);
+    }
+  }
+}
+
+// attend_tile_avx512's work with AVX2 (d a multiple of 16): `rows` query rows x `heads` query heads of one KV head,
+// queries in the tile layout, out[r] at row r's first head's output.
+template <typename T>
+void attend_tile_avx2(const TileQueries& tile_queries, int rows, int heads, const T* keys, const T* values,
+                      int64_t key_stride, int64_t value_stride, const TileKeys& tile, int64_t d, float scale,
+                      float* const* out, std::vector<float>& scores, std::vector<float>& sums,
+                      std::vector<float>& query_rows, std::vector<float>& value_floats) {
+  constexpr bool q8 = std::is_same_v<T, int8_t>;
+  const int m_all = rows * heads;
+  const int64_t vectors = tile_queries.vectors;
+  // the queries as [M][D] floats and, against int8 keys, [M][D] int16 codes
+  alignas(32) int16_t codes[q8 ? TILE_VECTORS * 256 : 1];
+  if constexpr (q8) TORCH_CHECK(d <= 256, "int8 KV cache: head_dim above 256");
+  query_rows.resize(m_all * d);
+  float* queries = query_rows.data();
+  for (int m = 0; m < m_all; ++m)
+    for (int64_t c = 0; c < d; ++c) {
+      queries[m * d + c] = tile_queries.f[((c / 16) * vectors + m) * 16 + c % 16];
+      if constexpr (q8) codes[m * d + c] = tile_queries.codes[((c / 64) * vectors + m) * 64 + c % 64];
+    }
+  int64_t longest = 0;
+  for (int r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, tile.tails[r].size());
+  const int64_t padded = (tile.shared + longest + 7) / 8 * 8;
+  scores.assign(m_all * padded, -std::numeric_limits<float>::infinity());  // [M, padded]
+  sums.assign(m_all * d, 0.f);                                             // [M, D]
+  float best[TILE_VECTORS];
+  for (int m = 0; m < m_all; ++m) best[m] = -std::numeric_limits<float>::infinity();
+  const auto blocks = std::make_index_sequence<SCORE_VECTORS_AVX2>();
+  const float* factors = tile_queries.factors;
+  auto score = [&](int64_t m0, int64_t m1, const int64_t* list, int64_t count, int64_t first) {
+    for (int64_t mb = m0; mb < m1; mb += SCORE_VECTORS_AVX2)
+      score_vectors_avx2<T>(static_cast<int>(std::min<int64_t>(SCORE_VECTORS_AVX2, m1 - mb)), blocks, queries, codes,
+                            factors, mb, keys, key_stride, list, 0, count, d, scale, scores.data(), padded, first,
+                            best);
+  };
+  score(0, m_all, nullptr, tile.shared, 0);
+  for (int r = 0; r < rows; ++r)
+    if (!tile.tails[r].empty())
+      score(r * heads, (r + 1) * heads, tile.tails[r].data(), tile.tails[r].size(), tile.shared);
+  float inverse[TILE_VECTORS];
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int m = 0; m < m_all; ++m) {  // attend_group_avx2's softmax
+    const int64_t n = tile.shared + tile.tails[m / heads].size();
+    float* row = scores.data() + m * padded;
+    __m256 total = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(best[m]);
+    for (int64_t j = 0; j < (n + 7) / 8 * 8; j += 8) {
+      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), lanes);
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+      const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
+      _mm256_storeu_ps(row + j, p);
+      total = _mm256_add_ps(total, p);
+    }
+    inverse[m] = 1.f / reduce256(total);
+  }
+  weigh_values_avx2(scores.data(), padded, 0, 0, m_all, values, value_stride, nullptr, 0, tile.shared, d,
+                    sums.data(), value_floats);
+  for (int r = 0; r < rows; ++r)
+    if (!tile.tails[r].empty())
+      weigh_values_avx2(scores.data(), padded, tile.shared, r * heads, (r + 1) * heads, values, value_stride,
+                        tile.tails[r].data(), 0, tile.tails[r].size(), d, sums.data(), value_floats);
+  for (int m = 0; m < m_all; ++m) {
+    const __m256 inv = _mm256_set1_ps(inverse[m]);
+    float* o = out[m / heads] + (m % heads) * d;
+    for (int64_t c = 0; c < d; c += 8)
+      _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(sums.data() + m * d + c), inv));
+  }
+}
+
 #pragma GCC pop_options
 
 // Value c of a cache entry as a float.
@@ -1577,11 +1776,13 @@ int64_t row_visibility(const bool* row, int64_t n_keys, std::vector<int64_t>& ex
   return prefix;
 }
 
-// AVX-512 attention in tiles: up to TILE_VECTORS / heads consecutive query rows of one KV head at a time, so that the
-// keys they all see (a verification's context, a prompt's earlier tokens) are loaded once for the whole tile.
+// Attention in tiles (AVX-512, or AVX2: attend_tile_avx2): up to TILE_VECTORS / heads consecutive query rows of one
+// KV head at a time, so that the keys they all see (a verification's context, a prompt's earlier tokens) are loaded
+// once for the whole tile.
 template <typename T>
 void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
-                     const torch::Tensor& mask, int64_t n_keys, double scale, bool amx, torch::Tensor& out) {
+                     const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
+  const bool amx = isa == AMX && amx_permitted();
   const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
   const int64_t hkv = keys.size(1), group = hq / hkv;
   const bool masked = mask.defined() && mask.numel() > 0;
@@ -1600,7 +1801,7 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
   at::parallel_for(0, batch * hkv * parts * tiles, 1, [&](int64_t begin, int64_t end) {
     TileKeys tile;
     std::vector<int64_t> prefixes;
-    std::vector<float> query_buf, scores, sums, factors;
+    std::vector<float> query_buf, scores, sums, factors, query_rows, value_floats;
     std::vector<int8_t> code_buf, amx_buf;
     std::vector<int32_t> code_sums;
     QueryCodes query_codes;
@@ -1656,8 +1857,12 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
         }
         const TileQueries queries{tile_queries, code_buf.data(), code_sums.data(), factors.data(), vectors,
                                   key_dots_amx ? amx_buf.data() : nullptr};
-        attend_tile_avx512<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile, d,
-                              float(scale), outs.data(), scores, sums);
+        if (isa >= AVX512)
+          attend_tile_avx512<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile,
+                                d, float(scale), outs.data(), scores, sums);
+        else
+          attend_tile_avx2<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile, d,
+                              float(scale), outs.data(), scores, sums, query_rows, value_floats);
       });
     }
   });
@@ -1667,9 +1872,9 @@ template <typename T>
 void attention_impl(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
                     const torch::Tensor& mask, int64_t n_keys, double scale, int64_t isa, torch::Tensor& out) {
   const int64_t batch = queries.size(0), hq = queries.size(1), q = queries.size(2), d = queries.size(3);
-  if (isa >= AVX512 && d % (std::is_same_v<T, int8_t> ? 64 : 16) == 0)
-    return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, isa == AMX && amx_permitted(), out);
-  // AVX2 and scalar: one (row, KV head) item at a time
+  if (isa >= AVX2 && d % (std::is_same_v<T, int8_t> ? 64 : 16) == 0)
+    return attention_tiled<T>(queries, keys, values, mask, n_keys, scale, isa, out);
+  // scalar, and AVX2 with other head sizes: one (row, KV head) item at a time
   const int64_t hkv = keys.size(1), group = hq / hkv;
   const bool masked = mask.defined() && mask.numel() > 0;
   const bool* mask_data = masked ? mask.data_ptr<bool>() : nullptr;
