@@ -6,8 +6,10 @@ each part, against which `benchmarks/roofline.py` gives this CPU's peaks.
     python benchmarks/prefill_split.py --model qwen2.5-coder-1.5b-instruct --quant int4 --lengths 2048 8192 16384
 
 Multiply-adds counted: linear layers 2 * params-per-row (one MAC each) per row, attention Hq * D * 2 per visible key
-per row (scores and the weighted sum of values), causal. One prefill per length (a prompt's forward is long enough
-to time once); `--kv-cache` picks the cache format, `--arithmetic` the linear layers' (the prompt's, decoding's).
+per row (scores and the weighted sum of values), causal. One prefill per length and round (a prompt's forward is
+long enough to time once); `--kv-cache` picks the cache format, `--arithmetic` the linear layers' (the prompt's,
+decoding's); `--builds` adds kernel builds under ~/.cache/specdecode/kernels/ (an earlier cpu.cpp), alternated with
+this checkout's in each round, so that a machine whose speed drifts compares them fairly.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
+from specdecode import kernels
 from specdecode.allocator import keep_freed_memory
 from specdecode.models.base import prefill
 from specdecode.models.loading import load_model
@@ -60,21 +64,26 @@ def main() -> None:
     parser.add_argument("--arithmetic", nargs="+", choices=["prompt", "decode"], default=["prompt"],
                         help="the linear layers' arithmetic: the prompt's (bfloat16 tiles on AMX; what a prefill "
                              "runs) and/or decoding's (int8), each timed in turn")
+    parser.add_argument("--builds", nargs="*", default=[], help="earlier kernel builds to alternate with this one")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=str, help="append one JSON line per length to this file")
     args = parser.parse_args()
     keep_freed_memory()  # as the command line does
     extra = {} if args.kv_cache is None else {"kv_cache": args.kv_cache}
     model = load_model(args.model, quant=args.quant, **extra)
-    timed = Timed(model.ops.kernels)
-    model.ops.kernels = timed
+    native = model.ops.kernels
+    root = Path.home() / ".cache/specdecode/kernels"
+    builds = {kernels.build_id(): native}
+    for build in args.builds:
+        builds[build] = kernels.Kernels(kernels.import_built(root / build / f"specdecode_cpu_{build}.so"), native.isa)
     cpu = capability()
     print(f"{args.model} ({args.quant}) on {cpu['model']}, {cpu['threads']} threads, {' '.join(cpu['flags'])}; "
-          f"kernels {timed.kernels.isa}")
+          f"kernels {native.isa}")
     heads = model.heads
-    for n, arithmetic in ((n, a) for n in args.lengths for a in args.arithmetic):
+    runs = [(n, r, a, b) for n in args.lengths for r in range(args.rounds) for a in args.arithmetic for b in builds]
+    for n, _, arithmetic, build in runs:
+        timed = model.ops.kernels = Timed(builds[build])
         cache = model.new_cache(n + 1)
-        for part in timed.seconds:
-            timed.seconds[part] = 0.0
         start = time.perf_counter()
         prefill(model, cache, context_ids(model.vocab_size, n), prompt=arithmetic == "prompt")
         total = time.perf_counter() - start
@@ -87,14 +96,14 @@ def main() -> None:
             "other_s": round(total - linear - attention, 2),
             "linear_gmacs_per_s": round(linear_macs / linear / 1e9, 1),
             "attention_gmacs_per_s": round(attention_macs / attention / 1e9, 1),
-            "isa": timed.kernels.isa, "kv_cache": args.kv_cache or "default", "arithmetic": arithmetic,
+            "isa": native.isa, "kv_cache": args.kv_cache or "default", "arithmetic": arithmetic, "build": build,
         }
-        print(json.dumps(record))
+        print(json.dumps(record), flush=True)
         if args.json:
             with open(args.json, "a") as out:
                 out.write(json.dumps(record) + "\n")
         del cache
-
+    model.ops.kernels = native
 
 if __name__ == "__main__":
     main()
