@@ -1442,6 +1442,22 @@ void scores_avx2(const float* query, int64_t query_stride, const T* keys, int64_
   }
 }
 
+// A vector's n scores -> unnormalized probabilities exp(s - max) in place (8-lane blocks from 0, lanes past n
+// zeroed); returns 1 / their total (summed by blocks in order, then reduce256).
+inline float softmax_row_avx2(float* row, int64_t n, float best) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 total = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(best);
+  for (int64_t j = 0; j < (n + 7) / 8 * 8; j += 8) {
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), lanes);
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+    const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
+    _mm256_storeu_ps(row + j, p);
+    total = _mm256_add_ps(total, p);
+  }
+  return 1.f / reduce256(total);
+}
+
 // attend_group_avx512 with 8 lanes (16 registers: fewer accumulators per pass).
 template <int G, typename T>
 void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, const T* values, int64_t key_stride,
@@ -1454,20 +1470,7 @@ void attend_group_avx2(const float* query, int64_t query_stride, const T* keys, 
   for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
   scores_avx2<G, T>(query, query_stride, keys, key_stride, visible, d, scale, scores.data(), padded, best);
   float inverse[G];
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int g = 0; g < G; ++g) {
-    float* row = scores.data() + g * padded;
-    __m256 total = _mm256_setzero_ps();
-    const __m256 shift = _mm256_set1_ps(best[g]);
-    for (int64_t j = 0; j < padded; j += 8) {
-      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), lanes);
-      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-      const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
-      _mm256_storeu_ps(row + j, p);
-      total = _mm256_add_ps(total, p);
-    }
-    inverse[g] = 1.f / reduce256(total);
-  }
+  for (int g = 0; g < G; ++g) inverse[g] = softmax_row_avx2(scores.data() + g * padded, n, best[g]);
   constexpr int SPAN = G >= 12 ? 1 : 12 / G;
   for (int64_t c0 = 0; c0 < chunks; c0 += SPAN) {
     const int span = static_cast<int>(std::min<int64_t>(SPAN, chunks - c0));
@@ -1659,21 +1662,8 @@ void attend_tile_avx2(const TileQueries& tile_queries, int rows, int heads, cons
     if (!tile.tails[r].empty())
       score(r * heads, (r + 1) * heads, tile.tails[r].data(), tile.tails[r].size(), tile.shared);
   float inverse[TILE_VECTORS];
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int m = 0; m < m_all; ++m) {  // attend_group_avx2's softmax
-    const int64_t n = tile.shared + tile.tails[m / heads].size();
-    float* row = scores.data() + m * padded;
-    __m256 total = _mm256_setzero_ps();
-    const __m256 shift = _mm256_set1_ps(best[m]);
-    for (int64_t j = 0; j < (n + 7) / 8 * 8; j += 8) {
-      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), lanes);
-      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-      const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
-      _mm256_storeu_ps(row + j, p);
-      total = _mm256_add_ps(total, p);
-    }
-    inverse[m] = 1.f / reduce256(total);
-  }
+  for (int m = 0; m < m_all; ++m)
+    inverse[m] = softmax_row_avx2(scores.data() + m * padded, tile.shared + tile.tails[m / heads].size(), best[m]);
   weigh_values_avx2(scores.data(), padded, 0, 0, m_all, values, value_stride, nullptr, 0, tile.shared, d,
                     sums.data(), value_floats);
   for (int r = 0; r < rows; ++r)
