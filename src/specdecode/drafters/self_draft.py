@@ -37,7 +37,7 @@ class SelfDrafter(Drafter):
     sizes: ClassVar[dict[str, str]] = {"depth": "depth"}
 
     def __init__(self, target: CausalLM, depth: int, length: str, threshold: float):
-        if not target.runs_sublayers:
+        if self.needs_sublayers and not target.runs_sublayers:
             raise needs_native_backend(target)
         if depth < 1:
             raise OptionError("need depth >= 1")
