@@ -1,6 +1,7 @@
 """StreamingLLM self-speculation (`streaming`): its cache mirrors exactly the target's sinks and recent window, a
 window holding the whole context drafts the target itself (every draft token accepted), a narrow window still
-decodes what plain decoding does, and below min_context it proposes nothing."""
+decodes what plain decoding does, and below min_context it proposes nothing. TriForce (`triforce`): a whole-window
+middle level is the target, and narrow windows on both lower levels still decode what plain decoding does."""
 
 from __future__ import annotations
 
@@ -63,3 +64,24 @@ def test_below_min_context_it_proposes_nothing():
     drafter = build_drafter("streaming", target, min_context=len(PROMPT) + 100)
     _, stats = generate(target, drafter, PROMPT, 12, GREEDY)
     assert stats.drafted_tokens == 0 and stats.new_tokens == 12
+
+
+def test_triforce_with_a_whole_window_middle_level_is_the_target():
+    """With a middle window over the whole context the middle level is the target (row-exact kernels): the full
+    target accepts every chain token the middle level kept, whatever the draft model proposed to it."""
+    target, draft_model = tiny_pair("llama:native-int4")
+    plain, _ = generate(target, build_drafter("none", target), PROMPT, 24, GREEDY)
+    drafter = build_drafter("triforce", target, draft_model=draft_model, window=64, depth=5, min_context=0)
+    tokens, stats = generate(target, drafter, PROMPT, 24, GREEDY)
+    assert tokens == plain
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens
+
+
+def test_triforce_with_narrow_windows_decodes_what_plain_decoding_does():
+    target, draft_model = tiny_pair("llama:native-int4")
+    prompt = PROMPT * 3
+    plain, _ = generate(target, build_drafter("none", target), prompt, 30, GREEDY)
+    drafter = build_drafter("triforce", target, draft_model=draft_model, sinks=1, window=3, draft_window=4,
+                            depth=4, min_context=0)
+    tokens, stats = generate(target, drafter, prompt, 30, GREEDY)
+    assert tokens == plain and stats.drafted_tokens > 0 and drafter.own.length == 4

@@ -2,7 +2,7 @@
 
 from . import (  # noqa: F401  (registration side effect)
     draft_model, eagle, early_exit, esp, goose, hierarchy, jacobi, layerskip, lookahead, medusa, none, pld, slem,
-    slrs, streaming, suffix, tli, token_recycling,
+    slrs, streaming, suffix, tli, token_recycling, triforce,
 )
 from .base import DRAFTERS, Drafter, build_drafter, register
 
