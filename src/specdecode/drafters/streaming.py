@@ -42,10 +42,14 @@ class StreamingSelfDrafter(SelfDrafter):
         self.own = None  # KVCache: sinks, the window ring, then this proposal's uncommitted draft entries
         self.mirrored = 0  # the target's committed entries mirrored so far (positions 0..mirrored-1)
 
+    def own_capacity(self) -> int:
+        """Entries the drafter's cache needs: the sinks, the window, the root and a draft."""
+        return self.sinks + self.window + self.max_nodes + 1
+
     def start(self, prompt_ids, capacity) -> None:
         self.mirrored = 0
         if self.own is None:
-            self.own = self.target.new_cache(self.sinks + self.window + self.max_nodes + 1)
+            self.own = self.target.new_cache(self.own_capacity())
         self.own.truncate(0)
 
     def propose(self, context, params, generator) -> Draft:

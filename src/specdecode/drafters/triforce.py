@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import OptionError
-from ..tree import Draft, ancestor_mask, depths, with_root
+from ..models.base import tree_request
 from ..sampling import probs_from_logits
+from ..tree import Draft
 from ..verify import verifier_for
 from .base import register
 from .draft_model import DraftModelDrafter
@@ -48,9 +49,12 @@ class TriForceDrafter(StreamingSelfDrafter):
         self.inner = DraftModelDrafter(target, draft_model, depth=draft_depth, topk=draft_topk,
                                        budget=draft_depth * draft_topk, window=draft_window)
 
+    def own_capacity(self) -> int:
+        """The sinks and window, the middle level's kept chain (up to depth tokens and a bonus beyond), and one more
+        draft-model draft with its root over it."""
+        return self.sinks + self.window + 2 * self.max_nodes + self.inner.max_nodes + 2
+
     def start(self, prompt_ids, capacity) -> None:
-        if self.own is None:  # room for the middle's kept chain and one more draft over it
-            self.own = self.target.new_cache(self.sinks + self.window + 2 * self.max_nodes + self.inner.max_nodes + 2)
         super().start(prompt_ids, capacity)
         self.inner.start(prompt_ids, capacity + self.max_nodes)
 
@@ -67,7 +71,7 @@ class TriForceDrafter(StreamingSelfDrafter):
             ahead = context + chain
             self.inner.depth_limit = depth - len(chain)
             draft = self.inner.propose(ahead, params, generator)
-            middle_logits = self._score(ahead[-1], root + len(chain), draft)  # [N+1, V]
+            middle_logits = tree_request(self.own, ahead[-1], draft, root_position=root + len(chain)).run(self.target)
             verdict = verifier.verify(draft, middle_logits, params, generator)
             kept = [0] + [i + 1 for i in verdict.accepted]  # the root and the accepted path
             self.own.keep(kept)
@@ -77,13 +81,6 @@ class TriForceDrafter(StreamingSelfDrafter):
                 rows += [probs_from_logits(middle_logits[row], params) for row in kept]
         self.own.truncate(min(self.cache.length, self.sinks + self.window))
         return Draft.chain(chain[:depth], None if params.greedy else torch.stack(rows[:depth]))
-
-    def _score(self, root_token: int, root_position: int, draft: Draft) -> torch.Tensor:  # [N+1, V]
-        """The middle level's forward over [root, draft tokens] with tree attention, at their true positions."""
-        parents = with_root(draft.parents)  # [N+1]
-        ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
-        positions = root_position + depths(parents) - 1  # [N+1]
-        return self.target.forward(self.own, ids, positions, ancestor_mask(parents))
 
     def commit(self, verdict, draft, target_logits) -> None:
         """Nothing to learn: the draft model's tree policy learned from the middle level's verdicts."""

@@ -219,9 +219,13 @@ def _prefill_chunks(model: CausalLM, cache: KVCache, ids: torch.Tensor, hidden: 
     return logits[0]
 
 
-def tree_request(cache: KVCache, root_token: int, draft: Draft, hidden_layers: tuple[int, ...] = ()) -> ForwardRequest:
+def tree_request(
+    cache: KVCache, root_token: int, draft: Draft, hidden_layers: tuple[int, ...] = (), root_position: int | None = None
+) -> ForwardRequest:
     """The verification forward over [root, draft tokens] with tree attention; it yields [N+1, V] target logits,
-    uncommitted, and (with hidden_layers) fills request.hidden with those layers' [K, N+1, H] states.
+    uncommitted, and (with hidden_layers) fills request.hidden with those layers' [K, N+1, H] states. The root sits
+    at root_position, by default the next free one in the cache (a partial cache, as TriForce's middle level, holds
+    fewer entries than the context has tokens).
 
     Uncommitted entries a self-speculative drafter wrote into the cache are dropped, or, when the draft carries
     exit states, kept: the forward then resumes at draft.exit_layer over those slots (Resume), and the cache keeps
@@ -234,7 +238,8 @@ def tree_request(cache: KVCache, root_token: int, draft: Draft, hidden_layers: t
         cache.discard()
     parents = with_root(draft.parents)  # [N+1]
     ids = torch.cat([torch.tensor([root_token]), draft.tokens])  # [N+1]
-    positions = cache.length + depths(parents) - 1  # [N+1], root at the next free position
+    root_position = cache.length if root_position is None else root_position
+    positions = root_position + depths(parents) - 1  # [N+1]
     hidden = HiddenStates(tuple(hidden_layers)) if hidden_layers else None
     return ForwardRequest(cache, ids, positions, ancestor_mask(parents), draft.probe_embedding, hidden, resume)
 
