@@ -287,3 +287,29 @@ def test_the_long_suite_prefills_each_prompt_once_for_all_engine_methods(tmp_pat
     (tmp_path / "short").mkdir()
     plain = run_jobs(config, target, methods, QUESTIONS, tmp_path / "short")
     assert all(r["reused_prompt_tokens"] == 0 and "own_prefill_seconds" not in r for r in plain)
+
+
+def test_specpc_rows_are_marked_approximate_and_pay_their_compression(tmp_path):
+    """A SpecPC row answers a shorter prompt: its record says so and how long, its time to first token includes the
+    compression, the long suite's shared prefill is not charged to it, and the report lists it as not lossless."""
+    from conftest import native_twin
+    from specdecode.bench.metrics import rouge_l
+    from specdecode.bench.report import write_report
+
+    target = native_twin(tiny_model("llama", vocab=64, max_position_embeddings=512), "int4")
+    spec = "specpc:tiny+keep=0.5+min_prompt=8+window=4+sinks=2+block=4+kernel=2"
+    methods = [EngineMethod("none", target, lambda: build_drafter("none", target)),
+               build_method(spec, target, load=lambda name, weights=None, draft=False: target)]
+    config = make_config(["none", spec])
+    config.suite = "long"
+    records = run_jobs(config, target, methods, QUESTIONS, tmp_path)
+    compressed = [r for r in records if r["method"] == spec]
+    assert compressed and all(r["approximate"] for r in compressed)
+    for r in compressed:
+        assert r["compressed_prompt_tokens"] < r["prompt_tokens"]
+        assert r["prefill_seconds"] >= r["compression_seconds"] > 0 and "prefill_shared_from" not in r
+    write_report(config, records, tmp_path, {"cpu": "test", "threads": 1, "platform": "", "torch": "",
+                                             "transformers": ""}, "now")
+    assert "## Approximate rows (not lossless" in (tmp_path / "report.md").read_text()
+    assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0 and rouge_l([1, 2], [3, 4]) == 0.0
+    assert rouge_l([1, 9, 2, 3], [1, 2, 3, 4]) == 0.75  # common subsequence 1 2 3 of 4 and 4 tokens

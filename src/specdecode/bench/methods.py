@@ -7,7 +7,8 @@ intersection when sampling), `hf-pld` (transformers' prompt lookup), and
 `hf-plain` (transformers' own generate, to compare our baseline with), `llama.cpp` / `llama.cpp-pld`
 (llama-cpp-python's plain and prompt-lookup decoding of the target's GGUF file; see llamacpp.py), and `openvino` /
 `openvino-pld` / `openvino-draft:DRAFT_MODEL` (OpenVINO GenAI's plain, prompt-lookup and draft-model decoding of the
-target exported to int4 OpenVINO IR; see openvino.py). Any spec but the llama.cpp and openvino ones may end in
+target exported to int4 OpenVINO IR; see openvino.py), and `specpc:DRAFT_MODEL[+keep=0.25][+drafter=NAME]` (approximate:
+SpecPC prompt compression, then the drafter on the shorter prompt; see approximate.py). Any spec but the llama.cpp and openvino ones may end in
 @WEIGHTS (`@hf`, `@native`, `@native-int4`, ...) to run on other target weights than the run's --backend/--quant.
 """
 
@@ -118,6 +119,52 @@ class TransformersMethod(Method):
                 "prefill_seconds": clock.first_token_seconds, "target_forwards": None}
 
 
+class CompressedMethod(Method):
+    """Approximate, not lossless: SpecPC compresses the prompt with a draft model, then an engine method (plain
+    decoding, or a drafter: lossless with respect to the shorter prompt) answers it. The compression counts in the
+    row's time to first token; the record says how many tokens the target read. The shared prefill of the run's
+    full prompts is of no use to it (its prompt is another)."""
+
+    def __init__(self, label: str, compressor, inner: EngineMethod):
+        self.label, self.compressor, self.inner = label, compressor, inner
+
+    def new_repeat(self) -> None:
+        self.inner.new_repeat()
+
+    def run(self, prompt_ids, max_new_tokens, params):
+        compressed = self.compressor.compress(prompt_ids)
+        record = self.inner.run(compressed.token_ids, max_new_tokens, params)
+        record.update(approximate=True, compressed_prompt_tokens=len(compressed.token_ids),
+                      compression_seconds=compressed.seconds)
+        record["prefill_seconds"] += compressed.seconds
+        record["seconds"] += compressed.seconds
+        record["tokens_per_second"] = record["new_tokens"] / record["seconds"]
+        return record
+
+
+def _specpc_method(spec: str, head: str, target: CausalLM, load) -> Method:
+    """specpc:DRAFT_MODEL[+keep=0.25][+window=64]...[+drafter=NAME]: SpecPC's options (approximate.SpecPC), and
+    the drafter that decodes the compressed prompt (default none)."""
+    from ..approximate import SpecPC
+
+    name, *option_pairs = head.split("+")
+    draft_model = name.partition(":")[2]
+    if not draft_model:
+        raise SpecDecodeError(f"'{spec}' names no draft model.", "Write specpc:qwen2.5-coder-0.5b-instruct, say.")
+    options = parse_options(option_pairs)
+    drafter = str(options.pop("drafter", "none"))
+    if drafter not in DRAFTERS or DRAFTERS[drafter].needs_draft_model:
+        raise SpecDecodeError(f"'{spec}': drafter '{drafter}' cannot decode a compressed prompt here.",
+                              "Use +drafter=none, pld, suffix or another drafter without a draft model.")
+    try:
+        compressor = SpecPC(load(draft_model, draft=True), **options)
+    except TypeError as error:
+        raise SpecDecodeError(f"'{spec}': {error}.", "SpecPC takes keep, window, sinks, block, kernel, "
+                              "start_layer, lookahead, min_prompt and drafter.") from None
+    inner = EngineMethod(spec, target, lambda: tuned_drafter(drafter, target))
+    return CompressedMethod(spec, compressor, inner)
+
+
 def build_method(spec: str, target: CausalLM, load) -> Method:
     """`load(model_spec, weights=None)` returns a CausalLM in the run's dtype, on the run's backend and quant or on
     `weights` ('hf', 'native-int4', ...), cached by the caller. A spec's @WEIGHTS suffix picks the target's."""
@@ -134,6 +181,8 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
         target = load(target.name, weights)
     if head.startswith("hf-"):
         return _transformers_method(spec, head, target, load)
+    if head.startswith("specpc:"):
+        return _specpc_method(spec, head, target, load)
     name, *option_pairs = head.split("+")
     name, _, draft_model = name.partition(":")
     if name not in DRAFTERS:

@@ -90,4 +90,26 @@ def summarize(rows: list[dict], baseline_tokens: dict) -> dict:
         "identical_share": (
             sum(r["token_ids"] == baseline_tokens[key(r)] for r in compared) / len(compared) if compared else None
         ),
+        # approximate rows (prompt compression): what they read and how close their answers stay to the baseline's
+        "approximate": any(r.get("approximate") for r in rows),
+        "read_prompt_tokens": _mean([r["compressed_prompt_tokens"] for r in rows if "compressed_prompt_tokens" in r]),
+        "rouge_l": _mean([rouge_l(r["token_ids"], baseline_tokens[key(r)]) for r in compared]),
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def rouge_l(candidate: list[int], reference: list[int]) -> float:
+    """ROUGE-L F1 over tokens: the longest common subsequence against both lengths (1.0 = the same tokens)."""
+    if not candidate or not reference:
+        return float(candidate == reference)
+    previous = [0] * (len(reference) + 1)
+    for token in candidate:
+        current = [0]
+        for j, other in enumerate(reference):
+            current.append(previous[j] + 1 if token == other else max(previous[j + 1], current[j]))
+        previous = current
+    common = previous[-1]
+    return 2 * common / (len(candidate) + len(reference))

@@ -46,7 +46,9 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         + (f" (draft models {config.draft_quant})" if config.draft_quant else "") + f", {sampling}",
         "",
         f"- Date: {when}",
-        f"- Machine: {machine['cpu']}, {machine['threads']} threads; {machine['platform']}; "
+        f"- Machine: {machine['cpu']}, {machine['threads']} threads"
+        + (f", flags `{' '.join(machine['cpu_flags'])}`, kernels {machine.get('kernels')}" if "cpu_flags" in machine else "")
+        + f"; {machine['platform']}; "
         f"torch {machine['torch']}, transformers {machine['transformers']}"
         + (f", llama-cpp-python {machine.get('llama_cpp')}" if llama_cpp else "")
         + "".join(f", {engine}" for engine in sorted({r["engine"] for r in records if r.get("engine")})),
@@ -88,6 +90,7 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
             weights.setdefault(record["method"], record["weights"])
     if weights:
         lines += ["", "Weights of the peer rows: " + "; ".join(f"`{m}` {w}" for m, w in weights.items()) + "."]
+    lines += _approximate_section(table)
     lines += _long_section(by_length or {}, config.methods, groups)
     lines += _options_section(records)
     lines += [
@@ -111,6 +114,23 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         "",
     ]
     return "\n".join(lines)
+
+
+def _approximate_section(table: dict) -> list[str]:
+    """Rows that answer a compressed prompt (SpecPC): not lossless; how much of the prompt the target read, and
+    how close the answers stay to plain decoding's of the full prompt."""
+    rows = {method: row["overall"] for method, row in table.items() if row["overall"].get("approximate")}
+    if not rows:
+        return []
+    lines = ["", "## Approximate rows (not lossless: the target reads a compressed prompt)", "",
+             "| Method | prompt tokens | read by the target | time to first token | ROUGE-L vs plain | identical "
+             "| needle found |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for method, m in rows.items():
+        lines.append(f"| {method} | {_fmt(m['prompt_tokens'], '.0f')} | {_fmt(m['read_prompt_tokens'], '.0f')} | "
+                     f"{_fmt(m['time_to_first_token'], '.2f', ' s')} | {_fmt(m['rouge_l'], '.2f')} | "
+                     f"{_fmt(m['identical_share'], '.0%')} | {_fmt(m['reference_found'], '.0%')} |")
+    lines += ["", "Their time to first token includes the draft model's reading of the whole prompt and the ranking."]
+    return lines
 
 
 def _questions_line(config, groups: list[str], machine: dict) -> str:

@@ -62,8 +62,13 @@ def machine() -> dict:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from ..tune.machine import capability
+
+    features = capability()
     return {
         "cpu": cpu,
+        "cpu_flags": features["flags"],  # those the kernels choose by
+        "kernels": features["isa"],
         "threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -172,8 +177,8 @@ class SharedPrefill:
                 self.first.setdefault(job, (record["method"], record["prefill_seconds"]))
 
     def charge(self, record: dict, label: str, job: tuple) -> None:
-        if "reused_prompt_tokens" not in record:  # a peer's row: it prefills on its own
-            return
+        if "reused_prompt_tokens" not in record or record.get("approximate"):  # a peer's row, or one that reads
+            return  # another (compressed) prompt: it prefills on its own
         if job not in self.first:
             self.first[job] = (label, record["prefill_seconds"])
             return

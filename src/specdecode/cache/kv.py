@@ -72,6 +72,16 @@ class KVCache:
         slots = torch.arange(self.end, self.end + q)[None]
         return self.keys[layer], self.values[layer], slots, self.end + q
 
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """One layer's keys of every written entry, [H, end, D] float32 (int8 entries decoded: codes x scale), for
+        code that reads attention itself (prompt compression's scores)."""
+        entries = self.keys[layer, 0, :, : self.end]  # [H, end, D or D + 8]
+        if entries.dtype != torch.int8:
+            return entries.float()
+        d = entries.shape[-1] - INT8_EXTRA
+        scales = entries[..., d : d + 4].contiguous().view(torch.float32)  # [H, end, 1]
+        return entries[..., :d].float() * scales
+
     def advance(self, q: int) -> None:
         """Mark the q reserved slots as written (uncommitted)."""
         self.end += q

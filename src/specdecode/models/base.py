@@ -149,6 +149,17 @@ class CausalLM(ABC):
         sending their states as Draft.exit_states. Backends without it raise OptionError naming the native one."""
         raise needs_native_backend(self)
 
+    def attention_probs(
+        self,
+        cache: KVCache,  # holds the entries of these rows too (a forward over them has run)
+        layer: int,
+        states: torch.Tensor,  # [q, H]: the residual stream entering `layer` at these rows (HiddenStates)
+        positions: torch.Tensor,  # [q]: their positions
+    ) -> torch.Tensor:  # [Hq, q, cache.end] float32: each query head's attention over the cache, causal by position
+        """The attention weights of `layer` at rows whose input states a forward captured: what prompt compression
+        (SpecPC) reads to rank the prompt's tokens. Backends without it raise OptionError naming the native one."""
+        raise needs_native_backend(self)
+
     def forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
         """Several requests' forwards (each its own cache); the [q_i, V] logits of each; each request's `hidden`
         (if any) is filled. This default runs them one by one; a backend that can batch overrides it."""

@@ -141,6 +141,25 @@ class LlamaModel(CausalLM):
         cache.advance(q)
         return hidden  # [q, d]
 
+    @torch.inference_mode()
+    def attention_probs(self, cache, layer, states, positions) -> torch.Tensor:
+        block, hq, hkv, d = self.blocks[layer], self.n_heads, self.n_kv_heads, self.head_dim
+        q = states.shape[0]
+        qkv = self.ops.linear(block.qkv, states.to(self.dtype), norm=block.attn_norm, eps=self.eps)  # [q, (Hq+2Hkv)D]
+        queries = qkv[:, : hq * d].reshape(1, q, hq, d).transpose(1, 2).contiguous()  # [1, Hq, q, D]
+        if block.q_norm is not None:
+            queries = self.ops.rms_norm(queries, block.q_norm, self.eps)
+        cos, sin = self._rotary(self.layer_kinds[layer])(positions[None])  # [1, 1, q, D]
+        queries = self.ops.rotary(queries.contiguous(), cos, sin)[0].float().view(hkv, hq // hkv, q, d)  # [Hkv, G, q, D]
+        keys = cache.layer_keys(layer)  # [Hkv, K, D]
+        scale = d**-0.5 if self.heads.scale is None else self.heads.scale
+        scores = torch.einsum("hgqd,hkd->hgqk", queries, keys) * scale  # [Hkv, G, q, K]
+        hidden_keys = cache.positions[: cache.end][None, :] > positions[:, None]  # [q, K]: later than the query
+        window = self.kinds[self.layer_kinds[layer]][1]
+        if window is not None:
+            hidden_keys |= (positions[:, None] - cache.positions[: cache.end][None, :]) >= window
+        return scores.masked_fill(hidden_keys, float("-inf")).softmax(-1).view(hq, q, -1)
+
     def _masks(self, cache, q: int, tree_mask) -> dict:
         """Attention kind -> [1, q, end+q] bool, or None where a lone new token sees everything."""
         sees_all = q == 1 and cache.pending == 0  # and no window

@@ -1,0 +1,90 @@
+"""SpecPC prompt compression (approximate.py): the attention weights it ranks by are the model's, the selection keeps
+what it promises, and on a real model the span a question asks about survives compression."""
+
+import pytest
+import torch
+
+from conftest import FAMILIES, native_twin, tiny_model
+from specdecode.approximate import SpecPC, select_blocks
+from specdecode.errors import OptionError
+from specdecode.models.base import HiddenStates, prefill
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quant,kv_cache", [("none", "auto"), ("int8", "f32"), ("int8", "int8")])
+def test_attention_probs_are_the_models(family, quant, kv_cache):
+    """The weights read from captured layer inputs equal transformers' own (eager attention, output_attentions):
+    exactly up to float rounding on dense weights, within the int8 rounding on int8 weights and cache (a wrong
+    rotary position, mask or head grouping is off by far more)."""
+    hf = tiny_model(family, seed=3, layers=2)
+    hf.model.config._attn_implementation = "eager"
+    native = native_twin(hf, quant)
+    native.use_kv_cache(kv_cache)
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf.model(ids[None], output_attentions=True).attentions  # per layer [1, Hq, q, q]
+    cache = native.new_cache(32)
+    prefill(native, cache, ids[:12])
+    asked = HiddenStates((0, 1))
+    positions = torch.arange(12, 20)
+    native.forward(cache, ids[12:], positions, torch.ones(8, 8, dtype=torch.bool).tril(), hidden=asked)
+    for layer in (0, 1):
+        probs = native.attention_probs(cache, layer, asked.states[layer], positions)  # [Hq, 8, 20]
+        reference = expected[layer][0, :, 12:20]
+        if quant == "none":
+            torch.testing.assert_close(probs, reference, atol=1e-5, rtol=0)
+        else:  # int8 rounding of the tiny model's large weights moves a weight by a few hundredths at most
+            difference = (probs - reference).abs()
+            assert difference.mean() < 5e-3 and difference.max() < 0.15, (difference.mean(), difference.max())
+        assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5)
+
+
+def test_select_blocks_keeps_ends_budget_and_best_blocks():
+    scores = torch.zeros(400)
+    scores[203] = 1.0  # the best block (blocks start after the sinks): 176..207
+    scores[60] = 0.5  # the second: 48..79 (pooling spreads it over 57..64)
+    kept = select_blocks(scores, budget=16 + 64 + 64, window=64, sinks=16, block=32, kernel=8)
+    kept_set = set(kept.tolist())
+    assert kept.tolist() == sorted(kept_set)
+    assert set(range(16)) <= kept_set and set(range(336, 400)) <= kept_set
+    assert set(range(176, 208)) <= kept_set and set(range(48, 80)) <= kept_set
+    assert len(kept) == 16 + 64 + 64
+    assert 120 not in kept_set
+
+
+def test_select_blocks_planted_bug_dropping_the_window_is_seen():
+    """The window is the question: a selection that dropped it (window=0 here) would fail the check above."""
+    kept = set(select_blocks(torch.rand(200), budget=40, window=0, sinks=0, block=10, kernel=1).tolist())
+    assert not set(range(136, 200)) <= kept
+
+
+def test_options_checked():
+    with pytest.raises(OptionError, match="out of range"):
+        SpecPC(draft=None, keep=0)
+
+
+def test_short_prompt_is_left_alone(smollm2):
+    compressed = SpecPC(smollm2, keep=0.25).compress(list(range(100, 400)))
+    assert compressed.token_ids == list(range(100, 400)) and len(compressed.kept) == 300
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_asked_span_survives(smollm2, monkeypatch, planted):
+    """A fact in the middle of filler, and a question about it at the end: the draft's attention (SmolLM2-135M as its
+    own scorer) keeps the fact's tokens at a quarter of the prompt. Planted bug: ranking by the negated scores (the
+    least attended blocks) loses the fact."""
+    if planted:
+        scores = SpecPC.scores
+        monkeypatch.setattr(SpecPC, "scores", lambda self, ids: -scores(self, ids))
+    tok = smollm2.tokenizer
+    filler = "The grass is green and the sky is blue today. " * 60
+    fact = "The secret code of the vault is 48213. "
+    question = "Question: what is the secret code of the vault? Answer: the secret code of the vault is"
+    filler_ids, fact_ids, question_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (filler, fact, question))
+    ids = filler_ids + fact_ids + filler_ids + question_ids
+    start = len(filler_ids)
+    compressor = SpecPC(smollm2, keep=0.25, window=24, min_prompt=256)
+    compressed = compressor.compress(ids)
+    assert len(ids) * 0.2 < len(compressed.token_ids) <= len(ids) * 0.25 + compressor.block
+    assert (set(range(start, start + len(fact_ids))) <= set(compressed.kept.tolist())) != planted
+    assert compressed.token_ids[-24:] == ids[-24:]
