@@ -7,8 +7,9 @@ intersection when sampling), `hf-pld` (transformers' prompt lookup), and
 `hf-plain` (transformers' own generate, to compare our baseline with), `llama.cpp` / `llama.cpp-pld`
 (llama-cpp-python's plain and prompt-lookup decoding of the target's GGUF file; see llamacpp.py), and `openvino` /
 `openvino-pld` / `openvino-draft:DRAFT_MODEL` (OpenVINO GenAI's plain, prompt-lookup and draft-model decoding of the
-target exported to int4 OpenVINO IR; see openvino.py), and `specpc:DRAFT_MODEL[+keep=0.25][+drafter=NAME]` (approximate:
-SpecPC prompt compression, then the drafter on the shorter prompt; see approximate.py). Any spec but the llama.cpp and openvino ones may end in
+target exported to int4 OpenVINO IR; see openvino.py), and `specpc:DRAFT_MODEL[+keep=0.25][+drafter=NAME]`
+(approximate: SpecPC prompt compression, then the drafter on the shorter prompt; see approximate.py). Any spec but
+the llama.cpp and openvino ones may end in
 @WEIGHTS (`@hf`, `@native`, `@native-int4`, ...) to run on other target weights than the run's --backend/--quant.
 """
 

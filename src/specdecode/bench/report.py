@@ -47,7 +47,8 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
         "",
         f"- Date: {when}",
         f"- Machine: {machine['cpu']}, {machine['threads']} threads"
-        + (f", flags `{' '.join(machine['cpu_flags'])}`, kernels {machine.get('kernels')}" if "cpu_flags" in machine else "")
+        + (f", flags `{' '.join(machine['cpu_flags'])}`, kernels {machine.get('kernels')}"
+           if "cpu_flags" in machine else "")
         + f"; {machine['platform']}; "
         f"torch {machine['torch']}, transformers {machine['transformers']}"
         + (f", llama-cpp-python {machine.get('llama_cpp')}" if llama_cpp else "")

@@ -150,7 +150,8 @@ class LlamaModel(CausalLM):
         if block.q_norm is not None:
             queries = self.ops.rms_norm(queries, block.q_norm, self.eps)
         cos, sin = self._rotary(self.layer_kinds[layer])(positions[None])  # [1, 1, q, D]
-        queries = self.ops.rotary(queries.contiguous(), cos, sin)[0].float().view(hkv, hq // hkv, q, d)  # [Hkv, G, q, D]
+        queries = self.ops.rotary(queries.contiguous(), cos, sin)[0].float()  # [Hq, q, D]
+        queries = queries.view(hkv, hq // hkv, q, d)  # [Hkv, G, q, D]
         keys = cache.layer_keys(layer)  # [Hkv, K, D]
         scale = d**-0.5 if self.heads.scale is None else self.heads.scale
         scores = torch.einsum("hgqd,hkd->hgqk", queries, keys) * scale  # [Hkv, G, q, K]
