@@ -93,7 +93,7 @@ def summarize(rows: list[dict], baseline_tokens: dict) -> dict:
         # approximate rows (prompt compression): what they read and how close their answers stay to the baseline's
         "approximate": any(r.get("approximate") for r in rows),
         "read_prompt_tokens": _mean([r["compressed_prompt_tokens"] for r in rows if "compressed_prompt_tokens" in r]),
-        "rouge_l": _mean([rouge_l(r["token_ids"], baseline_tokens[key(r)]) for r in compared]),
+        "rouge_l": _mean([rouge_l(r["token_ids"], baseline_tokens[key(r)]) for r in compared if r.get("approximate")]),
     }
 
 

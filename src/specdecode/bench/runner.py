@@ -57,16 +57,11 @@ def machine() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor()
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     from ..tune.machine import capability
 
     features = capability()
     return {
-        "cpu": cpu,
+        "cpu": features["model"],
         "cpu_flags": features["flags"],  # those the kernels choose by
         "kernels": features["isa"],
         "threads": torch.get_num_threads(),
