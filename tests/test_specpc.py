@@ -68,11 +68,30 @@ def test_short_prompt_is_left_alone(smollm2):
     assert compressed.token_ids == list(range(100, 400)) and len(compressed.kept) == 300
 
 
+def test_sliding_read_is_the_masked_forward(smollm2):
+    """A prefill through a cache with `sliding` set gives the logits of one forward whose mask hides exactly the
+    keys outside the sinks and the window: the sliding mask reaches the kernels, through the chunked prefill too."""
+    ids = torch.randint(100, 5000, (300,), generator=torch.Generator().manual_seed(1))
+    sinks, reach = 4, 50
+    cache = smollm2.new_cache(301)
+    cache.sliding = (sinks, reach)
+    sliding_logits = prefill(smollm2, cache, ids)  # [V] after the last token
+    positions = torch.arange(300)
+    behind = positions[:, None] - positions[None, :]  # [q, q]
+    mask = (behind >= 0) & ((behind < reach) | (positions[None, :] < sinks))
+    reference = smollm2.forward(smollm2.new_cache(301), ids, positions, mask, last_only=True)[-1]
+    torch.testing.assert_close(sliding_logits, reference, atol=1e-4, rtol=0)
+    full_logits = prefill(smollm2, smollm2.new_cache(301), ids)
+    assert (full_logits - sliding_logits).abs().max() > 1e-2  # the window changed something: it was applied
+
+
 @pytest.mark.parametrize("planted", [False, True])
-def test_the_asked_span_survives(smollm2, monkeypatch, planted):
+@pytest.mark.parametrize("read_window", [0, 128])
+def test_the_asked_span_survives(smollm2, monkeypatch, planted, read_window):
     """A fact in the middle of filler, and a question about it at the end: the draft's attention (SmolLM2-135M as its
-    own scorer) keeps the fact's tokens at a quarter of the prompt. Planted bug: ranking by the negated scores (the
-    least attended blocks) loses the fact."""
+    own scorer) keeps the fact's tokens at a quarter of the prompt, whether it read the prompt with full attention or
+    with a sliding window far narrower than the prompt. Planted bug: ranking by the negated scores (the least attended
+    blocks) loses the fact."""
     if planted:
         scores = SpecPC.scores
         monkeypatch.setattr(SpecPC, "scores", lambda self, ids: -scores(self, ids))
@@ -83,7 +102,7 @@ def test_the_asked_span_survives(smollm2, monkeypatch, planted):
     filler_ids, fact_ids, question_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (filler, fact, question))
     ids = filler_ids + fact_ids + filler_ids + question_ids
     start = len(filler_ids)
-    compressor = SpecPC(smollm2, keep=0.25, window=24, min_prompt=256)
+    compressor = SpecPC(smollm2, keep=0.25, window=24, min_prompt=256, read_window=read_window)
     compressed = compressor.compress(ids)
     assert len(ids) * 0.2 < len(compressed.token_ids) <= len(ids) * 0.25 + compressor.block
     assert (set(range(start, start + len(fact_ids))) <= set(compressed.kept.tolist())) != planted

@@ -14,6 +14,11 @@ end; a token's score is its largest over those layers; a max pool of `kernel` to
 neighbours. Here the kept tokens are whole blocks of `block` tokens (the blocks with the highest pooled score, until
 `keep` tokens), so that the target reads sentences and statements whole; the first `sinks` tokens (the chat
 template's opening) and the last `window` (the question) are always kept.
+
+The draft's read of a long prompt would cost it most of what the target saves (its attention grows with the
+square of the length), so by default it reads with a sliding window: each prompt token attends to the first
+`sinks` tokens and the `read_window` before it, which makes its states an approximation but its read linear in the
+length; the observation rows, whose attention is the ranking, still attend to every token.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import OptionError
-from .models.base import CausalLM, HiddenStates, prefill
+from .models.base import CausalLM, HiddenStates, needs_native_backend, prefill
 
 
 @dataclass
@@ -48,14 +53,19 @@ class SpecPC:
     start_layer: int = 8  # layers scored: from this one up (clamped to the draft's depth)
     lookahead: bool = True  # the draft's first generated token scores too (weight 1)
     min_prompt: int = 1024  # shorter prompts are not compressed
+    read_window: int = 1024  # the draft reads the prompt with sliding-window attention this wide (0: full)
 
     def __post_init__(self):
-        if self.keep <= 0 or self.window < 1 or self.block < 1 or self.kernel < 1 or self.sinks < 0:
+        if (self.keep <= 0 or self.window < 1 or self.block < 1 or self.kernel < 1 or self.sinks < 0
+                or self.read_window < 0):
             raise OptionError(
                 f"SpecPC options keep={self.keep}, window={self.window}, block={self.block}, kernel={self.kernel}, "
-                f"sinks={self.sinks} are out of range.",
-                "Use keep > 0 (a share below 1, or a token count), window, block and kernel >= 1, sinks >= 0.",
+                f"sinks={self.sinks}, read_window={self.read_window} are out of range.",
+                "Use keep > 0 (a share below 1, or a token count), window, block and kernel >= 1, sinks >= 0, "
+                "read_window >= 0 (0: full attention).",
             )
+        if type(self.draft).attention_probs is CausalLM.attention_probs:
+            raise needs_native_backend(self.draft)
 
     def budget(self, prompt_tokens: int) -> int:
         """Tokens kept of a prompt this long."""
@@ -78,7 +88,11 @@ class SpecPC:
         layers = tuple(range(min(self.start_layer, self.draft.n_layers - 1), self.draft.n_layers))
         cache = self.draft.new_cache(n + 1)
         if n > window:
-            prefill(self.draft, cache, prompt_ids[: n - window])
+            cache.sliding = (self.sinks, self.read_window) if self.read_window else None
+            try:
+                prefill(self.draft, cache, prompt_ids[: n - window])
+            finally:
+                cache.sliding = None  # the observation rows attend to every key
         rows = torch.tensor(prompt_ids[n - window :])  # [w]
         positions = torch.arange(n - window, n)  # [w]
         weights = torch.linspace(0, 1, window + 1)[1:]  # [w]: later observation rows count more

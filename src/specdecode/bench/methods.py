@@ -161,7 +161,7 @@ def _specpc_method(spec: str, head: str, target: CausalLM, load) -> Method:
         compressor = SpecPC(load(draft_model, draft=True), **options)
     except TypeError as error:
         raise SpecDecodeError(f"'{spec}': {error}.", "SpecPC takes keep, window, sinks, block, kernel, "
-                              "start_layer, lookahead, min_prompt and drafter.") from None
+                              "start_layer, lookahead, min_prompt, read_window and drafter.") from None
     inner = EngineMethod(spec, target, lambda: tuned_drafter(drafter, target))
     return CompressedMethod(spec, compressor, inner)
 

@@ -47,6 +47,10 @@ class KVCache:
         self.length = 0  # committed entries
         self.end = 0  # committed + uncommitted entries
         self.pool: KVPool | None = None  # set while the cache lives in a pool slot
+        # (sinks, window) or None: forwards then see only the first `sinks` positions and the keys less than
+        # `window` positions behind each query; an approximation for readers that want cheap states of a long
+        # prompt (prompt compression's scorer), never set on a cache whose forwards must be exact
+        self.sliding: tuple[int, int] | None = None
 
     @property
     def pending(self) -> int:

@@ -263,13 +263,17 @@ def forward_tree(model: CausalLM, cache: KVCache, root_token: int, draft: Draft)
 def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[q, end+q] bool over every cache entry, once the q new slots are reserved: committed entries are
     visible, the uncommitted ones as tree_mask says; with a sliding window, only keys less than `window`
-    positions behind the query."""
+    positions behind the query; with the cache's `sliding` (sinks, window), also only the first `sinks` positions
+    and the keys less than that window behind."""
     committed = torch.ones(q, cache.length, dtype=torch.bool)
     mask = torch.cat([committed, tree_mask], dim=1)  # [q, end+q]
+    key_pos = cache.positions[: cache.end + q]  # [end+q]
+    behind = cache.positions[cache.end : cache.end + q, None] - key_pos[None, :]  # [q, end+q]
     if window is not None:
-        key_pos = cache.positions[: cache.end + q]
-        query_pos = cache.positions[cache.end : cache.end + q]
-        mask &= (query_pos[:, None] - key_pos[None, :]) < window
+        mask &= behind < window
+    if cache.sliding is not None:
+        sinks, reach = cache.sliding
+        mask &= (behind < reach) | (key_pos[None, :] < sinks)
     return mask
 
 

@@ -163,7 +163,7 @@ class LlamaModel(CausalLM):
 
     def _masks(self, cache, q: int, tree_mask) -> dict:
         """Attention kind -> [1, q, end+q] bool, or None where a lone new token sees everything."""
-        sees_all = q == 1 and cache.pending == 0  # and no window
+        sees_all = q == 1 and cache.pending == 0 and cache.sliding is None  # and no window
         return {
             kind: None if sees_all and window is None else attention_mask(cache, q, tree_mask, window)[None]
             for kind, (_, window) in self.kinds.items()
