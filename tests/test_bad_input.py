@@ -38,6 +38,8 @@ GEN = ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi"]
         (["--top-k", "-1"], "top-k"),
         (["--drafter", "nosuch"], "unknown drafter"),
         (["-o", "depth"], "KEY=VALUE"),
+        (["--approximate", "streamingllm"], "unknown approximation"),
+        (["--approximate", "specpc:qwen2.5-coder-0.5b-instruct+bogus=1"], "no option bogus"),
     ],
 )
 def test_out_of_range_values_fail_before_loading(capsys, extra, needle):

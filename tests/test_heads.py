@@ -236,7 +236,7 @@ def test_original_eagle_checkpoint_imports_and_decodes_losslessly(target, tmp_pa
         plain, _ = generate(model, build_drafter("none", model), prompt, 30, GREEDY)
         spec, stats = generate(model, build_drafter(kind, model, draft_model=str(folder)), prompt, 30, GREEDY)
         assert spec == plain
-        assert stats.target_forwards < 30 or stats.accepted_tokens == 0
+        assert stats.target_forwards + stats.accepted_tokens == len(spec)  # each forward: its accepted + 1
 
 
 def test_head_of_another_target_is_refused(tmp_path):

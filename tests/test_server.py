@@ -45,6 +45,9 @@ def start_server(*extra: str):
             time.sleep(0.5)
         if proc.poll() is not None:
             raise RuntimeError(proc.stderr.read())
+    else:
+        proc.kill()
+        raise RuntimeError(f"the server at {base} never answered /health in 120 s: {proc.stderr.read()[-2000:]}")
     yield base
     proc.terminate()
     proc.wait(timeout=30)

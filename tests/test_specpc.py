@@ -85,6 +85,19 @@ def test_sliding_read_is_the_masked_forward(smollm2):
     assert (full_logits - sliding_logits).abs().max() > 1e-2  # the window changed something: it was applied
 
 
+FILLER = "The grass is green and the sky is blue today. " * 60
+FACT = "The secret code of the vault is 48213. "
+QUESTION = "Question: what is the secret code of the vault? Answer: the secret code of the vault is"
+
+
+def fact_prompt(tokenizer) -> tuple[list[int], range]:
+    """A fact in the middle of filler and a question about it at the end: the ids, and where the fact is."""
+    filler_ids, fact_ids, question_ids = (
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in (FILLER, FACT, QUESTION)
+    )
+    return filler_ids + fact_ids + filler_ids + question_ids, range(len(filler_ids), len(filler_ids) + len(fact_ids))
+
+
 @pytest.mark.parametrize("planted", [False, True])
 @pytest.mark.parametrize("read_window", [0, 128])
 def test_the_asked_span_survives(smollm2, monkeypatch, planted, read_window):
@@ -95,15 +108,49 @@ def test_the_asked_span_survives(smollm2, monkeypatch, planted, read_window):
     if planted:
         scores = SpecPC.scores
         monkeypatch.setattr(SpecPC, "scores", lambda self, ids: -scores(self, ids))
-    tok = smollm2.tokenizer
-    filler = "The grass is green and the sky is blue today. " * 60
-    fact = "The secret code of the vault is 48213. "
-    question = "Question: what is the secret code of the vault? Answer: the secret code of the vault is"
-    filler_ids, fact_ids, question_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (filler, fact, question))
-    ids = filler_ids + fact_ids + filler_ids + question_ids
-    start = len(filler_ids)
+    ids, fact = fact_prompt(smollm2.tokenizer)
     compressor = SpecPC(smollm2, keep=0.25, window=24, min_prompt=256, read_window=read_window)
     compressed = compressor.compress(ids)
     assert len(ids) * 0.2 < len(compressed.token_ids) <= len(ids) * 0.25 + compressor.block
-    assert (set(range(start, start + len(fact_ids))) <= set(compressed.kept.tolist())) != planted
+    assert (set(fact) <= set(compressed.kept.tolist())) != planted
     assert compressed.token_ids[-24:] == ids[-24:]
+
+
+def test_decoder_answers_the_compressed_prompt_and_says_so(smollm2):
+    """SpecDecoder(approximate=...): the answer is plain decoding's answer to the compressed prompt, and the stats
+    say the generation was approximate, how long the prompt was and how much of it the target read; a prompt too
+    short to compress is answered losslessly and not marked."""
+    from specdecode.api import SpecDecoder
+
+    compressor = SpecPC(smollm2, keep=0.25, window=24, min_prompt=256)
+    decoder = SpecDecoder(smollm2, "pld", approximate=compressor, prefix_cache_mb=0)
+    ids, _ = fact_prompt(smollm2.tokenizer)
+    result = decoder.generate(ids, max_new_tokens=8)
+    shorter = compressor.compress(ids).token_ids
+    plain = SpecDecoder(smollm2, "none", prefix_cache_mb=0)
+    assert result.token_ids == plain.generate(shorter, max_new_tokens=8).token_ids
+    stats = result.stats
+    assert (stats.approximate, stats.prompt_tokens, stats.prompt_tokens_read) == ("specpc", len(ids), len(shorter))
+    assert stats.prompt_tokens_read < 0.3 * stats.prompt_tokens
+    short = decoder.generate(ids[-200:], max_new_tokens=8)
+    assert short.stats.approximate == "" and short.token_ids == plain.generate(ids[-200:], max_new_tokens=8).token_ids
+
+
+def test_server_answers_the_compressed_prompt_and_says_so(smollm2):
+    """serve --approximate: the response is the decoder's approximate answer, its usage counts the prompt as sent,
+    and its `speculative` object says how much of it the target read."""
+    from starlette.testclient import TestClient
+
+    from specdecode.api import SpecDecoder
+    from specdecode.serve import create_app
+
+    decoder = SpecDecoder(smollm2, "pld", approximate=SpecPC(smollm2, keep=0.25, window=24, min_prompt=256),
+                          prefix_cache_mb=0)
+    prompt = FILLER + FACT + FILLER + QUESTION
+    expected = decoder.generate(prompt, max_new_tokens=8)
+    with TestClient(create_app(decoder, "m")) as client:
+        body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+    assert body["choices"][0]["text"] == expected.text
+    assert body["usage"]["prompt_tokens"] == expected.stats.prompt_tokens
+    assert body["speculative"]["approximate"] == "specpc"
+    assert body["speculative"]["prompt_tokens_read"] == expected.stats.prompt_tokens_read < expected.stats.prompt_tokens

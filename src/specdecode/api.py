@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .approximate import CompressedPrompt, SpecPC, load_approximation
 from .cache.prefix import PrefixCache
 from .drafters import DRAFTERS, Drafter
 from .engine import Stats, decode, generate
@@ -56,6 +57,7 @@ class SpecDecoder:
         governor: bool = True,  # run plain steps where speculation does not pay (see governor.py)
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,  # earlier requests' KV kept for reuse (0: none)
         kv_cache: str = "auto",  # the KV cache's format: auto (the compute dtype), f32, bf16, int8 (cache/kv.py)
+        approximate: str | SpecPC | None = None,  # "specpc:DRAFT_MODEL[+keep=0.25]...": NOT lossless (approximate.py)
         **drafter_options,
     ):
         self.target = load_model(model, dtype, backend, quant, kv_cache)
@@ -70,6 +72,16 @@ class SpecDecoder:
         self.drafter = self.new_drafter()
         self.tokenizer = self.target.tokenizer
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        self.compressor = approximate or None  # SpecPC where asked: it shortens long prompts before the target reads
+        if isinstance(approximate, str):
+            self.compressor = load_approximation(approximate, lambda name: self._model(name, dtype, backend, (
+                quant if draft_quant is None else draft_quant), kv_cache))
+
+    def _model(self, name: str, *load_options) -> CausalLM:
+        """The draft model if it is the one named (one copy in memory), else that model loaded."""
+        if isinstance(self.draft_model, CausalLM) and self.draft_model.name == name:
+            return self.draft_model
+        return load_model(name, *load_options)
 
     def new_drafter(self):
         """A drafter with its own per-request state (models are shared), for concurrent requests; without options,
@@ -108,23 +120,37 @@ class SpecDecoder:
         self, prompt, max_new_tokens: int = 128, chat: bool = False, stats: Stats | None = None, **sampling
     ) -> Iterator[Chunk]:
         """Yield each step's new tokens with the text they complete; pass a Stats to read statistics afterwards."""
-        ids = self.encode(prompt, chat)
+        compressed = self.compress_prompt(self.encode(prompt, chat))
         text = TextAssembler(self.tokenizer)
         params = SamplingParams(**sampling)
-        steps = decode(self.target, self.drafter, ids, max_new_tokens, params, stats, governor=self.governor(),
-                       prefix_cache=self.prefix_cache)
+        stats = Stats() if stats is None else stats
+        steps = decode(self.target, self.drafter, compressed.token_ids, max_new_tokens, params, stats,
+                       governor=self.governor(), prefix_cache=self.prefix_cache)
         for step in steps:
             yield Chunk(text.add(step), step)
+        self.mark_approximate(stats, compressed)
         rest = text.flush()
         if rest:
             yield Chunk(rest, [])
 
     def generate(self, prompt, max_new_tokens: int = 128, chat: bool = False, **sampling) -> Result:
-        ids = self.encode(prompt, chat)
+        compressed = self.compress_prompt(self.encode(prompt, chat))
         params = SamplingParams(**sampling)
-        tokens, stats = generate(self.target, self.drafter, ids, max_new_tokens, params, governor=self.governor(),
-                                 prefix_cache=self.prefix_cache)
+        tokens, stats = generate(self.target, self.drafter, compressed.token_ids, max_new_tokens, params,
+                                 governor=self.governor(), prefix_cache=self.prefix_cache)
+        self.mark_approximate(stats, compressed)
         return Result(self.decode_text(tokens), tokens, stats)  # no per-step detokenizing inside the timing
+
+    def compress_prompt(self, ids: list[int]) -> CompressedPrompt:
+        """The prompt the target reads: the approximation's shortening of it, or (lossless) the prompt itself."""
+        if self.compressor is None:
+            return CompressedPrompt.whole(ids)
+        return self.compressor.compress(ids)
+
+    def mark_approximate(self, stats: Stats, compressed: CompressedPrompt) -> None:
+        """Say in a generation's stats that it answered a compressed prompt (no-op without an approximation)."""
+        if self.compressor is not None:
+            self.compressor.mark(stats, compressed)
 
     def decode_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
+from .drafters.base import parse_options
 from .errors import OptionError
 from .models.base import CausalLM, HiddenStates, needs_native_backend, prefill
 
@@ -40,6 +41,11 @@ class CompressedPrompt:
     kept: torch.Tensor  # [k] their indices in the original prompt, ascending
     prompt_tokens: int  # the original prompt's length
     seconds: float  # the draft's prefill and the ranking
+
+    @classmethod
+    def whole(cls, prompt_ids: list[int], seconds: float = 0.0) -> "CompressedPrompt":
+        """The prompt left as it is (too short to compress, or no approximation asked)."""
+        return cls(list(prompt_ids), torch.arange(len(prompt_ids)), len(prompt_ids), seconds)
 
 
 @dataclass
@@ -67,6 +73,17 @@ class SpecPC:
         if type(self.draft).attention_probs is CausalLM.attention_probs:
             raise needs_native_backend(self.draft)
 
+    def mark(self, stats, compressed: CompressedPrompt) -> None:
+        """Record in a generation's Stats (engine.Stats, of the compressed prompt) that it answered this compression:
+        the prompt as sent, the tokens read, and the compression's time in the time to the first token. A prompt
+        left whole is not marked: its answer is the lossless one."""
+        if len(compressed.token_ids) == compressed.prompt_tokens:
+            return
+        stats.approximate, stats.prompt_tokens_read = "specpc", len(compressed.token_ids)
+        stats.prompt_tokens = compressed.prompt_tokens
+        stats.prefill_seconds += compressed.seconds
+        stats.seconds += compressed.seconds
+
     def budget(self, prompt_tokens: int) -> int:
         """Tokens kept of a prompt this long."""
         return math.ceil(self.keep * prompt_tokens) if self.keep < 1 else int(self.keep)
@@ -75,7 +92,7 @@ class SpecPC:
         start = time.perf_counter()
         n = len(prompt_ids)
         if n < self.min_prompt or self.budget(n) >= n - self.window - self.sinks:
-            return CompressedPrompt(list(prompt_ids), torch.arange(n), n, time.perf_counter() - start)
+            return CompressedPrompt.whole(prompt_ids, time.perf_counter() - start)
         scores = self.scores(prompt_ids)
         kept = select_blocks(scores, self.budget(n), self.window, self.sinks, self.block, self.kernel)
         ids = torch.as_tensor(prompt_ids)[kept].tolist()
@@ -119,6 +136,29 @@ class SpecPC:
             probs = self.draft.attention_probs(cache, layer, states[index], positions)  # [Hq, q, K]
             best = torch.maximum(best, (probs * weights[None, :, None]).amax(dim=(0, 1)))
         return best
+
+
+def load_approximation(spec: str, load) -> SpecPC:
+    """'specpc:DRAFT_MODEL[+keep=0.25][+read_window=1024]...' -> SpecPC with those options (its fields); load(name)
+    returns the draft model, called once the options are checked."""
+    name, options = parse_approximation(spec)
+    return SpecPC(load(name), **options)
+
+
+def parse_approximation(spec: str) -> tuple[str, dict]:
+    """The draft model's name and SpecPC's options of an approximation spec, checked before any model loads."""
+    method, _, rest = spec.partition(":")
+    name, *pairs = rest.split("+")
+    if method != "specpc" or not name:
+        raise OptionError(f"unknown approximation '{spec}'.",
+                          "Write specpc:DRAFT_MODEL[+keep=0.25], e.g. specpc:qwen2.5-coder-0.5b-instruct+keep=0.2.")
+    options = parse_options(pairs)
+    known = {f.name for f in fields(SpecPC)} - {"draft"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise OptionError(f"'{spec}': SpecPC has no option {', '.join(unknown)}.",
+                          f"Use {', '.join(sorted(known))}.")
+    return name, options
 
 
 def select_blocks(scores: torch.Tensor, budget: int, window: int, sinks: int, block: int, kernel: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file", type=Path, help="file holding the prompt text")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
+    add_approximate_arg(gen)
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument(
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this bearer token (default: $SPECDECODE_API_KEY, or none)")
     serve.add_argument("--served-model-name", help="model id clients use (default: --model)")
     serve.add_argument("--default-max-tokens", type=int, default=512)
+    add_approximate_arg(serve)
     serve.add_argument("--max-batch", type=int, default=8,
                        help="most concurrent requests verified in one target forward (1 = no batching)")
     add_prefix_cache_arg(serve)
@@ -170,6 +172,15 @@ def add_model_args(parser: argparse.ArgumentParser, model_required: bool = True)
         help="speculate at every step (default: run plain steps while speculation does not pay on this machine)",
     )
     add_weights_args(parser)
+
+
+def add_approximate_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--approximate", metavar="specpc:DRAFT_MODEL[+keep=0.25]",
+        help="NOT lossless: SpecPC prompt compression, for long prompts: the draft model (the target's family) reads "
+        "the prompt and the target reads only the share `keep` of it that the draft's attention ranks highest, so "
+        "the first token comes sooner; the answer is the target's answer to that shorter prompt, marked as such",
+    )
 
 
 def add_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
@@ -236,15 +247,19 @@ def decoder_from_args(args):
     without --prefix-cache-mb (generate: one prompt, whose --compare/--repeats timings a cache would distort) get
     none."""
     from .api import SpecDecoder
+    from .approximate import parse_approximation
     from .drafters.base import check_drafter_name, parse_options
 
     options = parse_options(args.drafter_option)
     check_drafter_name(args.drafter)  # before the slow model load
     check_prefix_cache_mb(args)
+    approximate = getattr(args, "approximate", None)
+    if approximate:
+        parse_approximation(approximate)
     return SpecDecoder(
         args.model, args.drafter, args.draft_model, args.dtype, backend=args.backend, quant=args.quant,
         draft_quant=args.draft_quant, governor=args.governor, prefix_cache_mb=getattr(args, "prefix_cache_mb", 0),
-        kv_cache=args.kv_cache,
+        kv_cache=args.kv_cache, approximate=approximate,
         **options
     )
 
@@ -278,7 +293,7 @@ def cmd_generate(args) -> int:
         if baseline:
             out = {"speculative": out, "baseline": baseline.as_dict(),
                    **comparison([(baseline, result), *more_pairs()])}
-            if not out["identical"] and sampling["temperature"] == 0:
+            if not out["identical"] and sampling["temperature"] == 0 and not result.stats.approximate:
                 out["divergences"] = [d.__dict__ for d in audit_prompt(spec, ids, args.max_new_tokens)]
         print(json.dumps(out))
         return 0
@@ -290,11 +305,14 @@ def cmd_generate(args) -> int:
         tokens.extend(chunk.token_ids)
     sys.stdout.write("\n")
     print(f"[{args.drafter}] {summary(stats)}", file=sys.stderr)
+    if stats.approximate:
+        print(f"[{stats.approximate}] approximate, not lossless: the target read {stats.prompt_tokens_read} of the "
+              f"prompt's {stats.prompt_tokens} tokens", file=sys.stderr)
     if baseline:
         print(f"[none] {summary(baseline.stats)}", file=sys.stderr)
         c = comparison([(baseline, Result("", tokens, stats)), *more_pairs()])
         print(f"speedup {speedup_text(c)}, identical to plain decoding: {c['identical']}", file=sys.stderr)
-        if not c["identical"] and sampling["temperature"] == 0:
+        if not c["identical"] and sampling["temperature"] == 0 and not stats.approximate:
             for d in audit_prompt(spec, ids, args.max_new_tokens):
                 print(explain_divergence(d, str(target.dtype).removeprefix("torch.")), file=sys.stderr)
     return 0
@@ -522,7 +540,8 @@ def cmd_serve(args) -> int:
     decoder = decoder_from_args(args)
     app = create_app(decoder, args.served_model_name or args.model, args.api_key, args.default_max_tokens,
                      args.max_batch)
-    print(f"serving {args.model} (drafter {args.drafter}, max batch {args.max_batch}, prefix cache "
+    approximate = f", approximate {args.approximate}: NOT lossless" if args.approximate else ""
+    print(f"serving {args.model} (drafter {args.drafter}{approximate}, max batch {args.max_batch}, prefix cache "
           f"{args.prefix_cache_mb:g} MB) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -40,6 +40,8 @@ class Stats:
     accepted_per_step: list[int] = field(default_factory=list)
     plain_steps: int = 0  # steps the governor ran without drafting (speculation did not pay then)
     reused_prompt_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache, not the prefill
+    approximate: str = ""  # the approximation that shortened the prompt (approximate.py; "": none, lossless)
+    prompt_tokens_read: int = 0  # with an approximation: the prompt tokens the target read (of prompt_tokens)
 
     @property
     def tau(self) -> float:

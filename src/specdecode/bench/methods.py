@@ -144,24 +144,18 @@ class CompressedMethod(Method):
 
 
 def _specpc_method(spec: str, head: str, target: CausalLM, load) -> Method:
-    """specpc:DRAFT_MODEL[+keep=0.25][+window=64]...[+drafter=NAME]: SpecPC's options (approximate.SpecPC), and
-    the drafter that decodes the compressed prompt (default none)."""
-    from ..approximate import SpecPC
+    """specpc:DRAFT_MODEL[+keep=0.25][+read_window=1024]...[+drafter=NAME]: SpecPC's options (approximate.SpecPC),
+    and the drafter that decodes the compressed prompt (default none)."""
+    from ..approximate import load_approximation
 
-    name, *option_pairs = head.split("+")
-    draft_model = name.partition(":")[2]
-    if not draft_model:
-        raise SpecDecodeError(f"'{spec}' names no draft model.", "Write specpc:qwen2.5-coder-0.5b-instruct, say.")
-    options = parse_options(option_pairs)
-    drafter = str(options.pop("drafter", "none"))
+    pairs = head.split("+")
+    drafters = [pair.partition("=")[2] for pair in pairs if pair.startswith("drafter=")]
+    drafter = drafters[-1] if drafters else "none"
     if drafter not in DRAFTERS or DRAFTERS[drafter].needs_draft_model:
         raise SpecDecodeError(f"'{spec}': drafter '{drafter}' cannot decode a compressed prompt here.",
                               "Use +drafter=none, pld, suffix or another drafter without a draft model.")
-    try:
-        compressor = SpecPC(load(draft_model, draft=True), **options)
-    except TypeError as error:
-        raise SpecDecodeError(f"'{spec}': {error}.", "SpecPC takes keep, window, sinks, block, kernel, "
-                              "start_layer, lookahead, min_prompt, read_window and drafter.") from None
+    approximation = "+".join(pair for pair in pairs if not pair.startswith("drafter="))
+    compressor = load_approximation(approximation, lambda name: load(name, draft=True))
     inner = EngineMethod(spec, target, lambda: tuned_drafter(drafter, target))
     return CompressedMethod(spec, compressor, inner)
 

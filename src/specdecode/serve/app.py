@@ -14,10 +14,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from ..api import SpecDecoder
+from ..approximate import CompressedPrompt
 from ..engine import Stats, check_prompt, decode_steps
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
@@ -172,7 +174,11 @@ def create_app(
             params = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
         except SpecDecodeError as exc:
             return error(400, str(exc))
-        run = Run(decoder, scheduler, prompt_ids, max_tokens, params, body.stops())
+        if decoder.compressor is None:
+            compressed = decoder.compress_prompt(prompt_ids)  # the prompt as it is
+        else:  # --approximate: the draft model's read of the prompt, off the event loop
+            compressed = await run_in_threadpool(decoder.compress_prompt, prompt_ids)
+        run = Run(decoder, scheduler, compressed, max_tokens, params, body.stops())
         builder = ResponseBuilder(chat, model_name, len(prompt_ids))
         if body.stream:
             return StreamingResponse(sse(run, builder), media_type="text/event-stream")
@@ -194,12 +200,13 @@ class Run:
     """One request: its decode loop in the worker thread (which batches its forwards with other requests'), its text
     assembled here as steps arrive."""
 
-    def __init__(self, decoder, scheduler, prompt_ids, max_tokens, params, stops):
+    def __init__(self, decoder, scheduler, prompt: CompressedPrompt, max_tokens, params, stops):
         self.stats = Stats()
         self.text = TextAssembler(decoder.tokenizer, stops)
         self.finish_reason = "length"
         self.cancelled = False
-        steps = decode_steps(decoder.target, decoder.new_drafter(), prompt_ids, max_tokens, params, self.stats,
+        self.mark = lambda: decoder.mark_approximate(self.stats, prompt)
+        steps = decode_steps(decoder.target, decoder.new_drafter(), prompt.token_ids, max_tokens, params, self.stats,
                              prefix_cache=decoder.prefix_cache)  # restored and stored in the worker thread
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -227,6 +234,7 @@ class Run:
                 if self.cancelled:
                     return
                 if item is DONE:
+                    self.mark()
                     self.finish_reason = self.stats.finish_reason or "length"
                     if rest := self.text.flush():
                         yield rest
@@ -260,8 +268,11 @@ class ResponseBuilder:
     @staticmethod
     def speculative(run: Run) -> dict:
         s = run.stats
-        return {"tau": s.tau, "target_forwards": s.target_forwards, "drafted_tokens": s.drafted_tokens,
-                "accepted_tokens": s.accepted_tokens, "seconds": s.seconds}
+        out = {"tau": s.tau, "target_forwards": s.target_forwards, "drafted_tokens": s.drafted_tokens,
+               "accepted_tokens": s.accepted_tokens, "seconds": s.seconds}
+        if s.approximate:  # --approximate shortened this prompt: the answer is not plain decoding's
+            out.update(approximate=s.approximate, prompt_tokens_read=s.prompt_tokens_read)
+        return out
 
     def response(self, text: str, run: Run) -> dict:
         if self.chat:
