@@ -267,6 +267,8 @@ def attention_mask(cache: KVCache, q: int, tree_mask: torch.Tensor, window: int 
     and the keys less than that window behind."""
     committed = torch.ones(q, cache.length, dtype=torch.bool)
     mask = torch.cat([committed, tree_mask], dim=1)  # [q, end+q]
+    if window is None and cache.sliding is None:
+        return mask
     key_pos = cache.positions[: cache.end + q]  # [end+q]
     behind = cache.positions[cache.end : cache.end + q, None] - key_pos[None, :]  # [q, end+q]
     if window is not None:
