@@ -69,7 +69,7 @@ def _sharegpt_json(count: int) -> str:
 
 def test_sharegpt_datastore_holds_out_the_last_conversations_and_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr("specdecode.train.data.sharegpt_text", lambda: _sharegpt_json(12))
+    monkeypatch.setattr("specdecode.data.sharegpt.sharegpt_text", lambda: _sharegpt_json(12))
     monkeypatch.setattr(datastore_module, "HELD_OUT", 3)
     datastore_module._cached.cache_clear()
     texts = [f"answer{i} alpha{i} beta{i} gamma{i} delta{i}" for i in range(12)]

@@ -19,7 +19,7 @@ from specdecode.heads.speculators_format import export_speculators
 from specdecode.heads.store import load_head, save_head
 from specdecode.heads.target import new_head
 from specdecode.sampling import SamplingParams
-from specdecode.train.data import records
+from specdecode.data.sharegpt import records
 from specdecode.train.extract import FeatureStore
 from specdecode.train.trainer import Budget, TrainingRun, draft_vocabulary, initial_head
 
@@ -63,10 +63,10 @@ def test_sharegpt_records_stop_at_the_last_complete_record():
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path, kind, monkeypatch):
-    from specdecode.models import packaged
+    from specdecode import files
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    assert packaged.cache_root() == tmp_path / "cache"
+    assert files.cache_root() == tmp_path / "cache"
     store = FeatureStore(tmp_path / "features")
     layers = [0, 1, 1] if kind == "eagle3" else []
     store.extract(target, greedy_sequences(target, 12), layers, kind == "eagle3", {"test": kind}, shard_tokens=150)
@@ -290,7 +290,7 @@ def test_eagle3_prompt_positions_count_by_their_weight(target):
 
 def test_training_data_is_regenerated_until_max_tokens(target, tmp_path, monkeypatch):
     from specdecode.train import trainer
-    from specdecode.train.data import Conversation
+    from specdecode.data.sharegpt import Conversation
     from specdecode.train.extract import Sequence
 
     convs = [Conversation(str(i), "q", "a") for i in range(200)]
@@ -310,7 +310,7 @@ def test_features_record_the_weights_of_the_target_they_came_from(target, tmp_pa
     """Features of int4 weights (train --quant int4) never pass for those of the dense weights, or back."""
     from specdecode.cli import main
     from specdecode.train import trainer
-    from specdecode.train.data import Conversation
+    from specdecode.data.sharegpt import Conversation
     from specdecode.train.extract import Sequence
 
     from conftest import native_twin

@@ -165,7 +165,7 @@ def test_adaptive_threshold_follows_draft_and_verify():
 
 
 def test_skip_set_search_finds_the_best_set():
-    from specdecode.tune.search import search_skip_set
+    from specdecode.drafters.layerskip import search_skip_set
 
     wanted = (frozenset({1}), frozenset({0, 2}))
     calls = []

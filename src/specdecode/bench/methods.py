@@ -16,7 +16,6 @@ the llama.cpp and openvino ones may end in
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 
 import torch
 
@@ -26,23 +25,8 @@ from ..engine import generate
 from ..governor import Governor
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM
-from ..sampling import SamplingParams
 from ..tune.profile import tuned_drafter
-
-
-class Method(ABC):
-    label: str
-    # Set by the runner to share prompts' KV across the methods of a run (the long suite's prefill once per
-    # question); only methods on the engine's target use it.
-    prefix_cache = None
-
-    @abstractmethod
-    def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams) -> dict:
-        """Generate; return a record with token_ids, new_tokens, seconds and whatever statistics it has."""
-
-    def new_repeat(self) -> None:
-        """Forget what earlier generations taught it (a drafter's memory across requests), so that every repeat
-        of a run measures the same thing."""
+from .method import Method
 
 
 class EngineMethod(Method):

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecDecodeError
+from .. import files
 from ..models import packaged
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from .methods import Method
+from .method import Method
 
 OPENVINO_GENAI = "openvino-genai==2026.4.1.0"  # the `openvino` extra's pin; brings openvino 2026.4.1
 INSTALL_HINT = "Install it with `pip install 'specdecode[openvino]'` (openvino-genai 2026.4.1)."
@@ -162,7 +163,7 @@ def build(spec: str, target: CausalLM, properties: dict | None = None) -> OpenVI
 
 
 def export_root() -> Path:
-    return packaged.cache_root() / "peers"
+    return files.cache_root() / "peers"
 
 
 def export_dir(spec: str) -> Path:
@@ -183,11 +184,11 @@ def exported(spec: str) -> Path:
     from ..models.loading import resolve
 
     source = Path(resolve(spec))
-    with packaged.cache_lock(f"openvino-export-{out.name}"):
+    with files.cache_lock(f"openvino-export-{out.name}"):
         if (out / "done").is_file():
             return out
         python = export_python()
-        partial = packaged.partial_path(out)
+        partial = files.partial_path(out)
         shutil.rmtree(partial, ignore_errors=True)
         command = [str(Path(python).with_name("optimum-cli")), "export", "openvino", "--model", str(source),
                    "--task", "text-generation-with-past", *EXPORT_OPTIONS, str(partial)]
@@ -220,7 +221,7 @@ def export_python() -> str:
     marker = venv / "specdecode-requirements.txt"
     if marker.is_file() and marker.read_text() == wanted:
         return str(python)
-    with packaged.cache_lock("openvino-export-venv"):
+    with files.cache_lock("openvino-export-venv"):
         if marker.is_file() and marker.read_text() == wanted:
             return str(python)
         _say(f"openvino: creating {venv} for optimum-intel's export (once; downloads ~1 GB): {' '.join(wanted.split())}")

@@ -19,7 +19,8 @@ from ..errors import SpecDecodeError
 from ..models.loading import check_load_options, load_model, parse_weights
 from ..sampling import SamplingParams
 from ..text import prompt_ids
-from .methods import Method, build_method
+from .method import Method
+from .methods import build_method
 from .metrics import BASELINE
 from .questions import Question
 

@@ -21,20 +21,19 @@ The contract, per request (a drafter object serves one request at a time; the se
   whose drafting costs per level may stop there.
 - receive_hidden(states of the root and accepted path), then commit(verdict, draft, target_logits), after every
   verification; the next propose's context ends with the bonus token.
-- Options are the constructor's keyword parameters (build_drafter checks names and kinds against its signature);
+- Options are the constructor's keyword parameters (building.build_drafter checks names and kinds against its signature);
   a value the drafter cannot take raises errors.OptionError naming what it needs.
 """
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from ..errors import OptionError, SpecDecodeError
+from ..errors import SpecDecodeError
 from ..sampling import SamplingParams
 from ..tree import Draft
 from ..verify import Verdict
@@ -111,71 +110,6 @@ class Drafter(ABC):
         After the prefill (before the first propose): the prompt's tokens. After each verification (just before
         commit): the root (context[-1] of the last propose) and the accepted path's tokens. So the rows received
         so far are those of context[:-1]; the bonus token's come with the next verification."""
-
-
-def check_drafter_name(name: str) -> None:
-    if name not in DRAFTERS:
-        raise SpecDecodeError(f"unknown drafter '{name}'.", f"Choose one of: {', '.join(sorted(DRAFTERS))}.")
-
-
-def build_drafter(name: str, target, draft_model=None, **options) -> Drafter:
-    """Drafter `name` for `target` with these options (none: its defaults). Every drafter also takes `lookup` and
-    `lookup_nodes` (the suffix hybrid, hybrid.py). Tuned profiles are resolved by the caller (the API, CLI, bench
-    and server: tune.profile.tuned_drafter), never here."""
-    from .hybrid import HYBRID_OPTIONS, LookupHybrid
-
-    check_drafter_name(name)
-    cls = DRAFTERS[name]
-    check_options(name, options)
-    if cls.needs_draft_model and draft_model is None:
-        kind = "any smaller model, whatever its tokenizer" if cls.foreign_vocabulary else "a smaller model with the same tokenizer"
-        raise SpecDecodeError(f"drafter '{name}' needs a draft model.", f"Pass --draft-model NAME ({kind}).")
-    own = {key: value for key, value in options.items() if key not in HYBRID_OPTIONS}
-    hybrid = {key: value for key, value in options.items() if key in HYBRID_OPTIONS}
-    try:
-        takes_model = cls.needs_draft_model or (cls.takes_draft_folder and draft_model is not None)
-        drafter = cls(target, draft_model=draft_model, **own) if takes_model else cls(target, **own)
-        if hybrid.get("lookup", 0):
-            drafter = LookupHybrid(drafter, target, **hybrid)
-    except OptionError as exc:
-        raise SpecDecodeError(f"bad option value for drafter '{name}': {exc.need}.", exc.fix) from None
-    drafter.options = dict(options)
-    return drafter
-
-
-def option_defaults(name: str) -> dict:
-    """Drafter `name`'s options and their defaults: its constructor's keyword parameters, then the hybrid's."""
-    from .hybrid import HYBRID_OPTIONS
-
-    parameters = inspect.signature(DRAFTERS[name].__init__).parameters.values()
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    skip = ("self", "target", "draft_model")
-    own = {p.name: p.default for p in parameters if p.kind in kinds and p.name not in skip}
-    return {**own, **HYBRID_OPTIONS}
-
-
-def check_options(name: str, options: dict) -> None:
-    """Every option is one of the drafter's, and a number where the default is one; else one clear error."""
-    defaults = option_defaults(name)
-    valid = ", ".join(f"{key}={default}" for key, default in defaults.items())
-    for key, value in options.items():
-        if key not in defaults:
-            raise SpecDecodeError(f"bad option '{key}' for drafter '{name}'.", f"Its options (defaults): {valid}.")
-        if not _fits(value, defaults[key]):
-            kind = {bool: "true or false", int: "an integer", float: "a number"}[type(defaults[key])]
-            raise SpecDecodeError(
-                f"drafter '{name}' option {key}={value!r}: need {kind}.", f"Like its default: -o {key}={defaults[key]}."
-            )
-
-
-def _fits(value, default) -> bool:
-    """Can `value` stand for an option whose default is `default`? Booleans for booleans, numbers for numbers (an
-    int for a float); anything for text or None defaults (the constructor checks those)."""
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, (int, float)):
-        return isinstance(value, int if isinstance(default, int) else (int, float)) and not isinstance(value, bool)
-    return True
 
 
 def parse_options(pairs: list[str]) -> dict:

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import SpecDecodeError
-from ..models.packaged import cache_lock, cache_root
+from ..files import cache_lock, cache_root
 from .ngram_table import read_corpus
 from .vocabulary import tokenizer_key
 
@@ -158,7 +158,7 @@ def _write(folder: Path, built: Datastore) -> None:
 
 def _sharegpt_documents(tokenizer, batch: int = 500) -> list[list[int]]:
     """Token ids of every assistant answer of the ShareGPT records, less the held-out conversations."""
-    from ..train.data import conversations, records, sharegpt_text
+    from ..data.sharegpt import conversations, records, sharegpt_text
 
     text = sharegpt_text()
     held_out = {conversation.id for conversation in list(conversations(text))[-HELD_OUT:]}

@@ -28,8 +28,11 @@ class LookupHybrid(Drafter):
             raise OptionError("need lookup >= 1 (0 turns the lookup off) and lookup_nodes >= 1")
         self.inner, self.lookup = inner, lookup
         self.retrieval = SuffixDrafter(target, max_nodes=lookup_nodes, corpus="none")  # this request, earlier outputs
-        # What the engine reads of a drafter is the wrapped one's, the node bound covering both drafts.
-        self.name, self.supports_sampling = inner.name, inner.supports_sampling
+        # What the engine and the governor read of a drafter is the wrapped one's, the node bound covering both
+        # drafts. catches_up too: after a lookup step (or a governor rest) the inner drafter first processes the
+        # tokens it skipped, a slow step the governor must not judge.
+        self.name, self.supports_sampling, self.catches_up = inner.name, inner.supports_sampling, inner.catches_up
+        self.needs_sublayers = inner.needs_sublayers
         self.max_nodes = max(inner.max_nodes, lookup_nodes)
         self.hidden_layers = inner.hidden_layers
         self.looked_up = False  # the current draft came from the lookup, not from `inner`

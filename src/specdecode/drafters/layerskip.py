@@ -24,6 +24,40 @@ from .base import register
 from .self_draft import SelfDrafter
 from .vocabulary import VocabularyHead, frequent_tokens
 
+Layers = frozenset[int]
+
+
+def search_skip_set(
+    n_layers: int, score: Callable[[Layers, Layers], float], trials: int, seed_sets: list[tuple[Layers, Layers]] = (),
+    seed: int = 0,
+) -> tuple[Layers, Layers]:
+    """The (skipped attention layers, skipped MLP layers) with the highest score(attention, mlp) found in `trials`
+    evaluations, the seed sets tried first (as the paper probes known good sets). A set is measured once."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    names = [f"attention{i}" for i in range(n_layers)] + [f"mlp{i}" for i in range(n_layers)]
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True))
+    for attention, mlp in seed_sets:
+        study.enqueue_trial({f"attention{i}": i in attention for i in range(n_layers)}
+                            | {f"mlp{i}": i in mlp for i in range(n_layers)})
+    scores: dict[tuple[Layers, Layers], float] = {}
+
+    def objective(trial) -> float:
+        flags = {name: trial.suggest_categorical(name, [False, True]) for name in names}
+        chosen = (_layers(flags, "attention", n_layers), _layers(flags, "mlp", n_layers))
+        if chosen not in scores:
+            scores[chosen] = score(*chosen)
+        return scores[chosen]
+
+    study.optimize(objective, n_trials=trials)
+    best = study.best_params
+    return _layers(best, "attention", n_layers), _layers(best, "mlp", n_layers)
+
+
+def _layers(flags: dict, kind: str, n_layers: int) -> Layers:
+    return frozenset(i for i in range(n_layers) if flags[f"{kind}{i}"])
+
 
 def default_skip(n_layers: int) -> tuple[frozenset[int], frozenset[int]]:
     """A generic skip set where none was searched: the attention of every odd layer and the MLP of every fourth
@@ -80,8 +114,6 @@ class LayerSkipDrafter(SelfDrafter):
         """The paper's skip-set search: Bayesian optimisation of score(options) (estimated tokens per second on the
         tuning prompts) over one skip flag per attention and MLP sublayer, seeded with the default set; the best
         set, then with the tune grid's thresholds and depths."""
-        from ..tune.search import search_skip_set
-
         attention, mlp = default_skip(target.n_layers)
         best = search_skip_set(
             target.n_layers, lambda a, m: score({"skip_attn": skip_text(a), "skip_mlp": skip_text(m)}), trials,

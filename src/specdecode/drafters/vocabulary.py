@@ -22,7 +22,7 @@ import torch
 from ..errors import OptionError, SpecDecodeError
 from ..models.base import CausalLM
 from ..models.native.linear import Linear
-from ..models.packaged import cache_root, write_text_atomic
+from ..files import cache_root, write_text_atomic
 
 CONVERSATIONS = 2000  # ShareGPT conversations counted (a few seconds of tokenizing)
 
@@ -57,7 +57,7 @@ def _counts(key: str, tokenizer, vocab_size: int) -> torch.Tensor | None:
         return counts
     if not hasattr(tokenizer, "encode"):  # a stand-in tokenizer (tests' models built in code)
         return None
-    from ..train.data import conversations, sharegpt_text
+    from ..data.sharegpt import conversations, sharegpt_text
 
     try:
         text = sharegpt_text()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpecDecodeError
-from ..models.packaged import cache_root
+from ..files import cache_root
 from . import build_head
 from .layer import HeadConfig
 

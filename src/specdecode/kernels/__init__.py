@@ -222,7 +222,7 @@ def import_built(path: Path):
 def _compile():
     from torch.utils.cpp_extension import load
 
-    from ..models.packaged import cache_root
+    from ..files import cache_root
 
     # the `ninja` that pip installed next to this Python, when the environment is not activated
     bin_dir = str(Path(sys.executable).parent)

@@ -12,6 +12,7 @@ import torch
 
 from ..cache.kv import KV_CACHES
 from ..errors import SpecDecodeError
+from ..files import cache_root
 from . import packaged
 from .base import CausalLM
 
@@ -69,7 +70,7 @@ def gguf_folder(path: Path) -> Path:
     """Convert a .gguf file once (cached by name, size and modification time) into a transformers folder."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = packaged.cache_root() / "gguf" / f"{path.stem}-{key}"
+    out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if not (out / "done").exists():
         from .convert import convert_gguf
 

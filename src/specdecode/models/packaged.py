@@ -7,9 +7,7 @@ seconds instead of a GGUF de-quantization.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import SpecDecodeError
+from ..files import cache_lock, cache_root, partial_path
 
 
 @dataclass(frozen=True)
@@ -70,10 +69,6 @@ SHIPPED: dict[str, ShippedModel] = {
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
-
-
 def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
@@ -106,38 +101,6 @@ def pull(name: str, force: bool = False) -> Path:
 
         convert_gguf(gguf_path, converted_dir(name))
     return converted_dir(name)
-
-
-@contextlib.contextmanager
-def cache_lock(name: str):
-    """Hold an exclusive lock shared by every process using this cache (two commands, or test workers, started on
-    a fresh machine must not download or write the same file at once). Where the OS has no flock: no lock."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    path = cache_root() / "locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def partial_path(path: Path) -> Path:
-    """Where to write `path` before renaming it into place: per process, so concurrent writers never share one."""
-    return path.with_name(f"{path.name}.{os.getpid()}.partial")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a cache file so that a reader in another process sees the old file or the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(path)
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def assemble(spec: ShippedModel, out: Path) -> None:

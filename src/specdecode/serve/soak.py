@@ -363,7 +363,7 @@ def serve(argv: list[str] | None = None) -> None:
     """`specdecode serve` (loopback, float32) with the planted drafter fault for FAULT_REQUEST."""
     import uvicorn
 
-    from ..cli import add_model_args, decoder_from_args
+    from ..arguments import add_model_args, decoder_from_args
     from . import create_app
 
     parser = argparse.ArgumentParser(prog="python -m specdecode.serve.soak")

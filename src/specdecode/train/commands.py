@@ -55,7 +55,7 @@ def cmd_train(args) -> int:
 
     from ..heads.store import cache_dir
     from ..models.loading import load_model
-    from ..models.packaged import cache_root
+    from ..files import cache_root
     from .trainer import scaled_budget, train
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():

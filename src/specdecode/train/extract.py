@@ -20,9 +20,9 @@ from tqdm.auto import tqdm
 
 from ..heads import target as target_side
 from ..models.hf import HFModel
-from ..models.packaged import write_text_atomic
+from ..files import write_text_atomic
 from ..text import prompt_ids
-from .data import Conversation
+from ..data.sharegpt import Conversation
 
 
 @dataclass

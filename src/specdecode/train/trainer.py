@@ -2,7 +2,7 @@
 acceptance.
 
 Steps, each resumable (rerun the same command to continue):
-1. sequences: ShareGPT prompts (data.py) with the dataset's answers (or the target's, regenerated), up to
+1. sequences: ShareGPT prompts (data/sharegpt.py) with the dataset's answers (or the target's, regenerated), up to
    `max_tokens` tokens in all; 2. features: one target forward per sequence, into sharded safetensors
    (extract.py); 3. the draft vocabulary (EAGLE-3, and the exit heads of Kangaroo and EESD): the `draft_vocab` most
    frequent answer tokens (EAGLE-3's as d2t/t2d);
@@ -27,7 +27,7 @@ from ..errors import SpecDecodeError
 from ..heads import target as target_side
 from ..heads.layer import DRAFT_VOCAB_KINDS, EXIT_KINDS, LAYER_STATE_KINDS
 from ..heads.store import cache_dir, save_head
-from .data import sharegpt_text, split
+from ..data.sharegpt import sharegpt_text, split
 from ..text import prompt_ids
 from .extract import FeatureStore, chat_sequences
 from .losses import head_loss

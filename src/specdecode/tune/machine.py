@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .. import kernels
-from ..models.packaged import cache_root, write_text_atomic
+from ..files import cache_root, write_text_atomic
 from ..tree import sequoia_tree
 from .cost import verify_seconds
 

@@ -14,9 +14,9 @@ import json
 import re
 from pathlib import Path
 
-from ..drafters.base import build_drafter, check_drafter_name
+from ..drafters.building import build_drafter, check_drafter_name
 from ..errors import SpecDecodeError
-from ..models.packaged import cache_root, write_text_atomic
+from ..files import cache_root, write_text_atomic
 
 PROFILE_CHOICES = ("auto", "none")
 

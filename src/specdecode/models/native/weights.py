@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..packaged import partial_path
+from ...files import partial_path
 from .linear import GROUP, Linear, prepare
 
 FORMAT = 2  # bump when prepare() changes what it stores
@@ -99,7 +99,7 @@ def cache_file_for(raw: SafetensorsWeights, quant: str, dtype: torch.dtype) -> P
     """None where caching would only copy the source (float32, not quantized)."""
     if quant == "none" and dtype == torch.float32:
         return None
-    from ..packaged import cache_root
+    from ...files import cache_root
 
     machine = f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}"
     key = f"{FORMAT}:{raw.fingerprint()}:{quant}:{dtype}:{GROUP}:{machine}"
