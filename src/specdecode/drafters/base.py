@@ -21,8 +21,8 @@ The contract, per request (a drafter object serves one request at a time; the se
   whose drafting costs per level may stop there.
 - receive_hidden(states of the root and accepted path), then commit(verdict, draft, target_logits), after every
   verification; the next propose's context ends with the bonus token.
-- Options are the constructor's keyword parameters (building.build_drafter checks names and kinds against its signature);
-  a value the drafter cannot take raises errors.OptionError naming what it needs.
+- Options are the constructor's keyword parameters (building.build_drafter checks names and kinds against its
+  signature); a value the drafter cannot take raises errors.OptionError naming what it needs.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ def build_drafter(name: str, target, draft_model=None, **options) -> Drafter:
     cls = DRAFTERS[name]
     check_options(name, options)
     if cls.needs_draft_model and draft_model is None:
-        kind = "any smaller model, whatever its tokenizer" if cls.foreign_vocabulary else "a smaller model with the same tokenizer"
+        kind = ("any smaller model, whatever its tokenizer" if cls.foreign_vocabulary
+                else "a smaller model with the same tokenizer")
         raise SpecDecodeError(f"drafter '{name}' needs a draft model.", f"Pass --draft-model NAME ({kind}).")
     own = {key: value for key, value in options.items() if key not in HYBRID_OPTIONS}
     hybrid = {key: value for key, value in options.items() if key in HYBRID_OPTIONS}
