@@ -229,8 +229,7 @@ _QUICK_HEADS: dict = {}
 def quick_head(target, kind: str, folder):
     """A head trained for a few seconds on the target's greedy continuations (cached per target and kind): tiny
     models get heads whose drafts are sometimes accepted, so the lossless checks exercise accepted paths."""
-    from specdecode.heads.layer import LAYER_STATE_KINDS
-    from specdecode.heads.target import feature_layers
+    from specdecode.heads import head_kind
     from specdecode.train.extract import FeatureStore
     from specdecode.train.trainer import Budget, TrainingRun, initial_head
 
@@ -240,8 +239,8 @@ def quick_head(target, kind: str, folder):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("SPECDECODE_CACHE", str(folder / "cache"))  # the trainer publishes its head there
             store = FeatureStore(folder / "features")
-            fused = kind in LAYER_STATE_KINDS
-            layers = feature_layers(kind, target) if fused else []
+            fused = head_kind(kind).reads_layer_states
+            layers = head_kind(kind).feature_layers(target) if fused else []
             store.extract(target, greedy_sequences(target, 16), layers, fused, {"kind": kind})
             sequences = store.load()
             budget = Budget(epochs=6, draft_vocab=target.vocab_size // 2, ttt_steps=2, medusa_heads=3, lr=3e-3,

@@ -61,7 +61,7 @@ def test_sharegpt_records_stop_at_the_last_complete_record():
     assert [r["id"] for r in records(text)] == ["a"]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra"])
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path, kind, monkeypatch):
     from specdecode import files
 
@@ -85,6 +85,46 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_pa
     assert history[-1]["loss"] < history[0]["loss"]
     trained = load_head(tmp_path / "cache" / "heads" / target.name / kind)  # published where drafters look
     assert torch.equal(trained.state_dict()[next(iter(trained.state_dict()))], resumed.head.state_dict()[next(iter(trained.state_dict()))])
+
+
+def test_a_new_head_kind_is_one_class_and_its_registration(target, tmp_path, monkeypatch):
+    """A kind declared outside the package (Medusa heads whose loss this test counts) is trained by the trainer with
+    its own loss, listed by `specdecode train`, stored and found under its own name, and drafts through the drafter
+    it names, losslessly; a drafter it does not name refuses it with the fix."""
+    from specdecode.cli import build_parser
+    from specdecode.heads import HEAD_KINDS, register_kind
+    from specdecode.heads.medusa import MedusaKind
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    batches = []
+
+    @register_kind("medusa-counted")
+    class CountedMedusa(MedusaKind):
+        drafter = "medusa"
+
+        def loss(self, head, batch, frozen, budget, train=True):
+            batches.append(batch["ids"].shape[0])
+            return super().loss(head, batch, frozen, budget, train)
+
+    try:
+        assert build_parser().parse_args(["train", "medusa-counted", "--model", "m"]).kind == "medusa-counted"
+        sequences = greedy_sequences(target, 6)
+        store = FeatureStore(tmp_path / "features")
+        store.extract(target, sequences, [], False, {"test": "new kind"})
+        budget = Budget(epochs=1, medusa_heads=2, lr=3e-3, warmup=1, batch=2, eval_tokens=8)
+        head = initial_head("medusa-counted", target, store.load(), budget)
+        run = TrainingRun("medusa-counted", head, target, store.load(), tmp_path, budget, "cpu", False)
+        report = run.run(PROMPTS[:1])
+        assert sum(batches) == 6 and report["history"][0]["tau"] >= 1.0
+        stored = load_head(tmp_path / "cache" / "heads" / target.name / "medusa-counted", "medusa")
+        assert stored.config.kind == "medusa-counted" and stored.config.num_heads == 2
+        plain = generate(target, build_drafter("none", target), PROMPTS[0], 20, GREEDY)[0]
+        assert generate(target, build_drafter("medusa", target, draft_model=stored), PROMPTS[0], 20, GREEDY)[0] == plain
+        refused = "medusa-counted head cannot drive the eagle drafter.*--drafter medusa"
+        with pytest.raises(SpecDecodeError, match=refused):
+            build_drafter("eagle", target, draft_model=stored)
+    finally:
+        HEAD_KINDS.pop("medusa-counted")
 
 
 def test_a_narrower_head_trains_saves_and_exports_with_its_own_width(target, tmp_path, monkeypatch):
@@ -136,7 +176,7 @@ def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
     assert [h["epoch"] for h in run.run(PROMPTS[:1])["history"]] == [1, 2]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "kangaroo", "eesd"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra", "kangaroo", "eesd"])
 def test_head_folder_loads_back_bit_identically(target, tmp_path, kind):
     head = new_head(kind, target, seed=3, draft_vocab_size=20)
     loaded = load_head(save_head(head, tmp_path / kind), kind)
@@ -271,15 +311,16 @@ def test_batched_regeneration_gives_each_prompt_its_greedy_answer(target):
 
 
 def test_eagle3_prompt_positions_count_by_their_weight(target):
-    from specdecode.train.losses import eagle3_loss
-    from specdecode.train.trainer import frozen_tensors, make_batches
+    from specdecode.heads import head_kind
+    from specdecode.heads.eagle3 import eagle3_loss
+    from specdecode.train.trainer import make_batches
 
     store_rows = torch.Generator().manual_seed(3)
     n, d = 12, target.embed(torch.zeros(1, dtype=torch.long)).shape[-1]
     seq = {"ids": torch.randint(0, target.vocab_size, (n,), generator=store_rows), "prompt_len": 6,
            "last": torch.randn(n, d, generator=store_rows), "fused": torch.randn(n, 3 * d, generator=store_rows)}
     head = new_head("eagle3", target)
-    frozen = frozen_tensors("eagle3", target, head)
+    frozen = head_kind("eagle3").frozen(target, head)
     changed = {**seq, "last": seq["last"].clone()}
     changed["last"][:4] += 5.0  # the target's distributions at the prompt's first positions only
     for weight, moves in ((0.0, False), (1.0, True)):
@@ -365,10 +406,8 @@ def test_a_head_handed_over_as_a_module_drafts_from_int8_weights_for_a_quantized
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_an_eagle3_head_starts_from_the_targets_last_layer_on_both_backends(family):
-    from specdecode.heads.target import last_layer
-
     hf = tiny_model(family, seed=3)
-    layers = [last_layer(t) for t in (hf, native_twin(hf))]
+    layers = [t.last_layer_weights() for t in (hf, native_twin(hf))]
     assert layers[0].keys() == layers[1].keys()
     for name, weight in layers[0].items():  # the native backend's fused q/k/v and gate/up split back
         assert torch.equal(weight, layers[1][name]), name
@@ -388,4 +427,4 @@ def test_an_eagle3_head_starts_from_the_targets_last_layer_on_both_backends(fami
     assert narrow.layer.mlp.up_proj.weight.shape[0] == 24  # a narrower MLP keeps its own start
     assert torch.equal(narrow.layer.self_attn.o_proj.weight, source.self_attn.o_proj.weight)
     gemma = tiny_model("gemma3", seed=3)
-    assert last_layer(gemma) is None and last_layer(native_twin(gemma)) is None  # not a Llama block: random start
+    assert gemma.last_layer_weights() is None and native_twin(gemma).last_layer_weights() is None  # not a Llama block: random start

@@ -256,10 +256,10 @@ def test_server_batches_self_speculative_requests_and_each_gets_its_answer_alone
 def test_an_untrained_exit_head_at_the_last_layer_is_the_target_itself(tmp_path):
     """The exit loss pairs each position's head output with the target's distribution at that position: a fresh
     head (zero output projections, the target's final norm) exiting after the last layer predicts exactly it."""
+    from specdecode.heads import head_kind
     from specdecode.heads.target import new_head
     from specdecode.train.extract import FeatureStore
-    from specdecode.train.losses import exit_loss
-    from specdecode.train.trainer import frozen_tensors, make_batches
+    from specdecode.train.trainer import Budget, make_batches
 
     target = tiny_model("llama", seed=1)
     store = FeatureStore(tmp_path)
@@ -267,5 +267,5 @@ def test_an_untrained_exit_head_at_the_last_layer_is_the_target_itself(tmp_path)
     for kind in ("kangaroo", "eesd"):
         head = new_head(kind, target, feature_layers=[target.n_layers])
         batch = make_batches(store.load(), 4)[0]
-        loss, metrics = exit_loss(head, batch, frozen_tensors(kind, target, head), train=False)
+        loss, metrics = head_kind(kind).loss(head, batch, head_kind(kind).frozen(target, head), Budget(), train=False)
         assert metrics["acc"] == 1.0

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import SpecDecodeError
+from ..heads import head_kind
 from ..heads import target as target_side
 from ..heads.layer import head_cache, quantize_head
 from ..heads.store import find_head, load_head
@@ -48,8 +49,9 @@ def resolve_head(target, kind: str, draft_model):
 
 
 def _given_head(kind: str, head: torch.nn.Module) -> torch.nn.Module:
-    if head.config.kind != kind:
-        raise SpecDecodeError(f"an {head.config.kind} head cannot drive the {kind} drafter.", f"Pass an {kind} head.")
+    drafter = head_kind(head.config.kind).drafter
+    if drafter != kind:
+        raise SpecDecodeError(f"a {head.config.kind} head cannot drive the {kind} drafter.", f"Use --drafter {drafter}.")
     return head
 
 
@@ -94,9 +96,10 @@ class HeadDrafter(Drafter):
     def __init__(self, target, draft_model=None):
         self.target = target
         self.head = resolve_head(target, self.kind, draft_model)
+        self.head_kind = head_kind(self.head.config.kind)  # this drafter's kind, or a variant trained otherwise
         layers = list(self.head.config.feature_layers)
         if not layers or min(layers) < 0:
-            layers = target_side.feature_layers(self.kind, target)
+            layers = self.head_kind.feature_layers(target)
         self.hidden_layers = tuple(layers)
         self.features: FeatureRows | None = None
 
@@ -106,7 +109,7 @@ class HeadDrafter(Drafter):
     @torch.inference_mode()
     def receive_hidden(self, hidden: torch.Tensor) -> None:
         """[K, n, H] target states of the n tokens that just entered its cache -> n head input rows."""
-        features = target_side.head_features(self.kind, self.target, hidden)
+        features = self.head_kind.features(self.target, hidden)
         self.features.add(self.head.feature_input(features.to(self.head_dtype)))
 
     @property

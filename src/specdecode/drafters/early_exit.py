@@ -25,7 +25,6 @@ from typing import ClassVar
 import torch
 
 from ..errors import SpecDecodeError
-from ..heads import target as target_side
 from ..heads.layer import head_cache
 from ..models.base import Sublayers, attention_mask
 from ..models.native.linear import Linear
@@ -103,7 +102,7 @@ def draft_vocabulary_head(target, vocab: torch.Tensor, dtype: torch.dtype) -> Vo
     quantized size, not as a dense float copy: the rows are most of what a draft token reads), else dense rows."""
     if isinstance(getattr(target, "lm_head", None), Linear) and target.lm_head.packed is not None:
         return VocabularyHead.of(target.lm_head, vocab, target.vocab_size)
-    return VocabularyHead(target_side.lm_head_rows(target, vocab).to(dtype), vocab, target.vocab_size)
+    return VocabularyHead(target.lm_head_rows(vocab).to(dtype), vocab, target.vocab_size)
 
 
 @register("kangaroo")

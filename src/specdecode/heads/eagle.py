@@ -7,14 +7,22 @@ feature f_t at position t and the embedding of the next token x_{t+1}, predicts 
 f_t is the target's last hidden state after its final norm (the last layer's output through the target's own,
 shared norm), so the predicted feature goes straight into the target's shared LM head. The embedding and LM head
 are the target's, never copied: the head holds only fc and the layer. Drafting deeper, a node's input feature is
-its parent's f_hat."""
+its parent's f_hat.
+
+Training (EagleKind.loss): from (feature f_t + uniform noise, token x_{t+1}) predict f_{t+1}: SmoothL1 on the
+feature plus 0.1 x the cross-entropy of the target's distribution lm_head(f_{t+1}) against lm_head(f_hat) (EAGLE's
+v_w 1.0, p_w 0.1)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .layer import DecoderLayer, HeadConfig, Linear
+from .kinds import HeadKind, causal_mask, masked_mean, register_kind, soft_cross_entropy
+from .layer import DecoderLayer, HeadConfig, Linear, SequenceKV
+
+NOISE = 0.2  # EAGLE's uniform feature noise: U(-0.1, 0.1)
 
 
 class EagleHead(nn.Module):
@@ -33,3 +41,27 @@ class EagleHead(nn.Module):
     def feature_input(self, features: torch.Tensor) -> torch.Tensor:
         """The head's input feature from the target's extracted one (here: as is)."""
         return features
+
+
+@register_kind("eagle")
+class EagleKind(HeadKind):
+    module = EagleHead
+
+    def loss(self, head, batch, frozen, budget, train=True):
+        ids, last, valid = batch["ids"], batch["last"].float(), batch["valid"]  # [B, T], [B, T, d], [B, T]
+        t = ids.shape[1] - 1
+        features = last[:, :-1]
+        if train:
+            features = features + (torch.rand_like(features) - 0.5) * NOISE
+        embeds = F.embedding(ids[:, 1:], frozen["embedding"])
+        positions = torch.arange(1, t + 1, device=ids.device).expand(ids.shape[0], t)
+        predicted = head(embeds, features, positions, SequenceKV(), causal_mask(t, ids.device)).float()  # [B, t, d]
+        wanted = last[:, 1:]
+        rows = valid[:, 1:]
+        regression = masked_mean(F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), rows)
+        with torch.no_grad():
+            target_logits = wanted @ frozen["lm_head"].T  # [B, t, V]
+        logits = predicted @ frozen["lm_head"].T
+        token = masked_mean(soft_cross_entropy(target_logits, logits), rows)
+        accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), rows)
+        return regression + 0.1 * token, {"acc": float(accuracy), "reg": float(regression.detach())}

@@ -14,14 +14,24 @@ default; training picks the most frequent answer tokens, as EAGLE-3 does), so a 
 
 Zero-initialised output projections make an untrained head the target's own final norm and LM head applied at the
 exit layer (the "logit lens"), the starting point training improves on.
+
+Training (ExitKind.loss): from the target's states entering the exit layer, causally over the sequence, predict the
+target's next-token distribution at every position: the cross-entropy of the target's distribution (its final
+feature through its LM head) against the head's, both over the draft vocabulary's rows of the frozen LM head
+(Kangaroo's soft-label loss; EESD's self-distillation on the target's own answers). The prompt's positions count
+too: their labels are the target's own distributions as well, twice the data for one extraction (accuracy is
+reported on the answers).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .layer import MLP, Attention, HeadConfig, RMSNorm
+from .kinds import HeadKind, causal_mask, masked_mean, register_kind, soft_cross_entropy
+from .layer import MLP, Attention, HeadConfig, RMSNorm, SequenceKV
+from .target import final_norm_weight
 
 
 class ExitHead(nn.Module):
@@ -72,3 +82,55 @@ class EESDExitLayer(ExitHead):
 
     def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def default_exit_layer(n_layers: int) -> int:
+    """Where an exit head reads the target by default: after the first sixth of its layers, at least one. Kangaroo
+    exits after 2 of Vicuna-7B's 32 layers; small targets need a larger share of their depth to draft well, and the
+    draft still costs a fraction of a forward."""
+    return min(n_layers, max(1, n_layers // 6))
+
+
+class ExitKind(HeadKind):
+    """An exit head's kind: it reads the input of its exit layer and drafts over its own vocabulary."""
+
+    reads_layer_states = True
+    draft_vocabulary = True
+
+    def feature_layers(self, target, exit_layer=0):
+        return [exit_layer or default_exit_layer(target.n_layers)]
+
+    def config_overrides(self, target, budget):
+        return {"feature_layers": self.feature_layers(target, budget.exit_layer)}
+
+    def initialise(self, head, target):
+        with torch.no_grad():  # start as the target's own final norm at the exit layer
+            head.norm.weight.copy_(final_norm_weight(target))
+
+    def frozen(self, target, head):  # only the draft vocabulary's LM head rows
+        return {"draft_lm_head": target.lm_head_rows(head.target_ids())}
+
+    def loss(self, head, batch, frozen, budget, train=True):
+        ids, last, states, valid = batch["ids"], batch["last"].float(), batch["fused"], batch["valid"]
+        b, t = ids.shape
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        outputs = head(states, positions, SequenceKV(), causal_mask(t, ids.device)).float()  # [B, T, d]
+        draft_head = frozen["draft_lm_head"]  # [Vd, d]
+        with torch.no_grad():
+            target_logits = last @ draft_head.T  # [B, T, Vd]
+        logits = outputs @ draft_head.T
+        every = F.pad(batch["real"][:, 1:], (0, 1))  # row t predicts token t+1 (a real one)
+        answers = F.pad(valid[:, 1:], (0, 1))  # ... an answer token
+        loss = masked_mean(soft_cross_entropy(target_logits, logits), every)
+        accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), answers)
+        return loss, {"acc": float(accuracy)}
+
+
+@register_kind("kangaroo")
+class KangarooKind(ExitKind):
+    module = KangarooAdapter
+
+
+@register_kind("eesd")
+class EESDKind(ExitKind):
+    module = EESDExitLayer

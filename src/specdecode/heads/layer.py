@@ -19,12 +19,7 @@ from ..cache import KVCache
 from ..models.native.linear import GROUP
 from ..models.native.linear import Linear as NativeLinear
 from ..models.native.ops import apply_rotary, attend, inverse_frequencies, rotary
-
-KINDS = ("eagle", "eagle3", "medusa", "kangaroo", "eesd")
-EXIT_KINDS = ("kangaroo", "eesd")  # heads on the target's first layers (heads/exit.py): feature_layers = [exit layer]
-# Heads that read their feature layers' own states ("fused" in the training data) rather than the final-normed last
-# feature alone, and that draft over their own vocabulary (set_vocabulary, target_ids)
-LAYER_STATE_KINDS = DRAFT_VOCAB_KINDS = ("eagle3",) + EXIT_KINDS
+from .kinds import head_kind
 
 
 class Linear(nn.Linear):
@@ -75,7 +70,7 @@ def quantize_head(head: nn.Module, quant: str | None) -> None:
 class HeadConfig:
     """Everything needed to rebuild a head; the target's shapes are copied in when the head is made for it."""
 
-    kind: str  # one of KINDS
+    kind: str  # a registered head kind (kinds.HEAD_KINDS)
     hidden_size: int
     vocab_size: int  # the target's vocabulary
     num_attention_heads: int = 1
@@ -85,8 +80,8 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     attention_bias: bool = False
-    draft_vocab_size: int = 0  # eagle3, exit heads: draft vocabulary size (0 = the target's vocabulary)
-    # eagle3: the target layers whose inputs are fused; exit heads: [the exit layer]
+    draft_vocab_size: int = 0  # kinds with their own draft vocabulary: its size (0 = the target's vocabulary)
+    # the target's hidden states the head reads (its kind's feature_layers): eagle3's fused inputs, an exit layer
     feature_layers: list[int] = field(default_factory=list)
     num_heads: int = 4  # medusa: how many tokens ahead it predicts
     norm_before_residual: bool = False  # eagle3: the residual takes the normalized hidden (speculators' flag)
@@ -95,8 +90,7 @@ class HeadConfig:
     ttt_steps: int = 1  # eagle3: training-time-test steps it was trained with (informational)
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown head kind {self.kind}")
+        head_kind(self.kind)  # a registered kind, or one clear error
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
 

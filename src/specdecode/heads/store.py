@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import SpecDecodeError
 from ..files import cache_root
-from . import build_head
+from . import build_head, head_kind
 from .layer import HeadConfig
 
 WEIGHTS = "model.safetensors"
@@ -39,7 +39,8 @@ def save_head(head, folder: str | Path, extra: dict | None = None) -> Path:
 
 
 def load_head(folder: str | Path, kind: str | None = None):
-    """A head (eval mode, float32) from a folder in any supported layout; `kind` (if given) must match."""
+    """A head (eval mode, float32) from a folder in any supported layout; `kind` (if given): the drafter that will
+    run it, which must be the one its kind drafts with."""
     from . import speculators_format
 
     folder = Path(folder).expanduser()
@@ -54,8 +55,10 @@ def load_head(folder: str | Path, kind: str | None = None):
         config, state = speculators_format.read_speculators(raw, read_weights(folder))
     else:
         config, state = speculators_format.read_original_eagle(raw, read_weights(folder))
-    if kind is not None and config.kind != kind:
-        raise SpecDecodeError(f"{folder} holds an {config.kind} head, not {kind}.", f"Use the {config.kind} drafter.")
+    if kind is not None and head_kind(config.kind).drafter != kind:
+        drafter = head_kind(config.kind).drafter
+        raise SpecDecodeError(f"{folder} holds a {config.kind} head, which the {drafter} drafter runs, not {kind}.",
+                              f"Use --drafter {drafter}.")
     head = build_head(config)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

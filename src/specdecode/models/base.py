@@ -180,6 +180,29 @@ class CausalLM(ABC):
         """[..., H] final-normed states -> [..., V] float32 logits (the LM head alone)."""
         raise SpecDecodeError(f"{self.name} does not expose its LM head.", "Pick another drafter.")
 
+    # What a draft head is built and trained from (heads/target.py): the shapes of one decoder layer like the
+    # model's own, and float32 copies of the tensors the head shares with it or starts from.
+    def decoder_shapes(self) -> dict:
+        """One decoder layer's shapes, named as heads.layer.HeadConfig names them: hidden_size,
+        num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta, and
+        target_architecture (the model class, for exported heads' configs)."""
+        raise SpecDecodeError(f"{self.name} does not expose its layer shapes.", "Pick a drafter without a head.")
+
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        """float32 copies of the input embedding [V, H], the final norm's weight [H] and the LM head [V, H]."""
+        raise SpecDecodeError(f"{self.name} does not expose its weights.", "Pick a drafter without a head.")
+
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[n] ids -> [n, H] float32: those rows of the LM head (a draft vocabulary), without materialising the
+        whole head in float32."""
+        return self.frozen_weights()["lm_head"][token_ids]
+
+    def last_layer_weights(self) -> dict[str, torch.Tensor] | None:
+        """float32 copies of the last decoder layer named as a Llama layer's state dict (self_attn.{q,k,v,o}_proj,
+        biases if any, mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm; weights only), or None
+        where that layer is not a Llama block (Gemma's extra norms, 1 + w norm weights and GELU)."""
+        return None
+
 
 def needs_native_backend(model: CausalLM) -> OptionError:
     return OptionError(

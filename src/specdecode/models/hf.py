@@ -17,6 +17,9 @@ from .base import (
 )
 
 
+LLAMA_LAYERS = ("llama", "qwen2", "mistral")  # transformers model types whose decoder layer is a Llama block
+
+
 class _CacheView(Cache):
     """Lets transformers' attention layers write into a KVCache (or a KVBatch) at the reserved slots."""
 
@@ -138,6 +141,36 @@ class HFModel(CausalLM):
     @torch.inference_mode()
     def embed(self, token_ids):
         return self.model.get_input_embeddings()(token_ids)  # [..., H], scaled as the model scales them
+
+    def _text_config(self):
+        return self.model.config.get_text_config(decoder=True)
+
+    def decoder_shapes(self) -> dict:
+        c = self._text_config()
+        rope = getattr(c, "rope_parameters", None) or {}
+        return dict(
+            hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=self.head_dim,
+            intermediate_size=c.intermediate_size, rms_norm_eps=float(c.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            target_architecture=(self.model.config.architectures or [type(self.model).__name__])[0],
+        )
+
+    @torch.no_grad()  # not inference_mode: training multiplies by these under autograd
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        return {"embedding": self.model.get_input_embeddings().weight.detach().float(),
+                "norm": self.model.get_decoder().norm.weight.detach().float(),
+                "lm_head": self.model.get_output_embeddings().weight.detach().float()}
+
+    @torch.no_grad()
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight[token_ids].float()
+
+    @torch.no_grad()
+    def last_layer_weights(self) -> dict[str, torch.Tensor] | None:
+        if self._text_config().model_type not in LLAMA_LAYERS:
+            return None
+        return {k: v.float().clone() for k, v in self.model.get_decoder().layers[-1].state_dict().items()}
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A bool mask as the additive float mask transformers takes: 0 where allowed, the dtype's minimum elsewhere."""

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..heads.layer import KINDS
+from ..heads import HEAD_KINDS
 
 
 def add_parsers(sub) -> None:
     train = sub.add_parser("train", help="train a draft head for a target on this machine: EAGLE, EAGLE-3, Medusa, or "
                            "the exit heads of the self-speculative Kangaroo and EESD")
-    train.add_argument("kind", choices=KINDS)
+    train.add_argument("kind", choices=sorted(HEAD_KINDS))
     train.add_argument("--model", required=True, help="the target: shipped name, transformers folder or .gguf file")
     train.add_argument("--out", type=Path, help="working folder (features, checkpoints, head); default in the cache")
     train.add_argument("--max-tokens", type=int, help="training tokens to extract (default: by model size)")
@@ -45,7 +45,7 @@ def add_parsers(sub) -> None:
     export = sub.add_parser("export-head", help="write a trained EAGLE-3 head in the speculators format (vLLM)")
     export.add_argument("--head", type=Path, help="a head folder (any supported layout)")
     export.add_argument("--model", help="or: the target whose cached head to export")
-    export.add_argument("--kind", default="eagle3", choices=KINDS)
+    export.add_argument("--kind", default="eagle3", choices=sorted(HEAD_KINDS))
     export.add_argument("--out", type=Path, required=True)
     export.set_defaults(run=cmd_export)
 

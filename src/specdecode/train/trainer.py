@@ -1,13 +1,13 @@
-"""`specdecode train {eagle,eagle3,medusa,kangaroo,eesd}`: data, features, draft vocabulary, training, held-out
-acceptance.
+"""`specdecode train KIND` (a registered head kind: heads/kinds.py): data, features, draft vocabulary, training,
+held-out acceptance. What differs between kinds (the features they read, their start, their loss) is the kind's.
 
 Steps, each resumable (rerun the same command to continue):
 1. sequences: ShareGPT prompts (data/sharegpt.py) with the dataset's answers (or the target's, regenerated), up to
    `max_tokens` tokens in all; 2. features: one target forward per sequence, into sharded safetensors
-   (extract.py); 3. the draft vocabulary (EAGLE-3, and the exit heads of Kangaroo and EESD): the `draft_vocab` most
-   frequent answer tokens (EAGLE-3's as d2t/t2d);
+   (extract.py); 3. the draft vocabulary (kinds that draft over their own: EAGLE-3's d2t/t2d, the exit heads'): the
+   `draft_vocab` most frequent answer tokens;
 4. training: AdamW (0.9, 0.95), linear warm-up then cosine decay, bfloat16 autocast, gradient accumulation,
-   gradient clipping, the losses of losses.py; a checkpoint after every epoch (and when `hours` runs out), from
+   gradient clipping, the kind's loss; a checkpoint after every epoch (and when `hours` runs out), from
    which a rerun resumes; 5. after every epoch, tau (tokens per target forward) of the drafter with this head on
    held-out ShareGPT prompts, greedy; the head is saved to OUT/head and to the cache where the drafters find it.
 """
@@ -24,13 +24,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SpecDecodeError
+from ..heads import head_kind
 from ..heads import target as target_side
-from ..heads.layer import DRAFT_VOCAB_KINDS, EXIT_KINDS, LAYER_STATE_KINDS
 from ..heads.store import cache_dir, save_head
 from ..data.sharegpt import sharegpt_text, split
 from ..text import prompt_ids
 from .extract import FeatureStore, chat_sequences
-from .losses import head_loss
 
 REGENERATION_BATCH = 64  # prompts per batched generate (transformers backend): larger batches cost less per token
 
@@ -103,8 +102,8 @@ def held_out_prompts(target, budget: Budget) -> list[list[int]]:
 
 
 def prepare_features(kind: str, target, out: Path, budget: Budget) -> FeatureStore:
-    fused = kind in LAYER_STATE_KINDS
-    layers = target_side.feature_layers(kind, target, budget.exit_layer) if fused else []
+    fused = head_kind(kind).reads_layer_states
+    layers = head_kind(kind).feature_layers(target, budget.exit_layer) if fused else []
     quant = getattr(target, "quant", "none")  # named only when quantized: dense features made before stay valid
     settings = {"target": target.name, **({"quant": quant} if quant != "none" else {}),
                 "max_tokens": budget.max_tokens, "answer_tokens": budget.answer_tokens, "max_prompt": budget.max_prompt,
@@ -142,24 +141,18 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab: int) -> torch.Tens
 
 
 def initial_head(kind: str, target, sequences: list[dict], budget: Budget):
-    overrides = {"num_heads": budget.medusa_heads, "ttt_steps": budget.ttt_steps}
+    """The head training starts from: built with the budget's sizes, its draft vocabulary (if its kind has one) the
+    training answers' most frequent tokens, then started as its kind starts it (HeadKind.prepare)."""
+    spec = head_kind(kind)
+    overrides = spec.config_overrides(target, budget)
     if budget.intermediate_size:
         overrides["intermediate_size"] = budget.intermediate_size
-    if kind in DRAFT_VOCAB_KINDS:
+    if spec.draft_vocabulary:
         overrides["draft_vocab_size"] = min(budget.draft_vocab, target.vocab_size)
-    if kind in EXIT_KINDS:
-        overrides["feature_layers"] = target_side.feature_layers(kind, target, budget.exit_layer)
     head = target_side.new_head(kind, target, seed=budget.seed, **overrides)
-    if kind in DRAFT_VOCAB_KINDS:
+    if spec.draft_vocabulary:
         head.set_vocabulary(draft_vocabulary(sequences, head.config.draft_vocab_size, target.vocab_size))
-    if kind == "eagle3":
-        frozen = target_side.frozen_weights(target)
-        with torch.no_grad():  # start from the target's own LM head rows and final norm
-            head.lm_head.weight.copy_(frozen["lm_head"][head.target_ids()])
-            head.norm.weight.copy_(frozen["norm"])
-        layer = target_side.last_layer(target) if budget.warm_start else None
-        if layer is not None:
-            head.start_from(layer)
+    spec.prepare(head, target, budget)
     return head
 
 
@@ -168,7 +161,7 @@ class TrainingRun:
         self.kind, self.head, self.target, self.out, self.budget = kind, head.to(device), target, out, budget
         self.device, self.bf16 = device, bf16
         self.batches = make_batches(sequences, budget.batch)
-        self.frozen = {k: v.to(device) for k, v in frozen_tensors(kind, target, head).items()}
+        self.frozen = {k: v.to(device) for k, v in head_kind(kind).frozen(target, head).items()}
         self.decoding_target = None  # where held-out tau is measured (made on first use)
         steps_per_epoch = math.ceil(len(self.batches) / budget.accumulate)
         self.total_steps = steps_per_epoch * budget.epochs
@@ -262,8 +255,7 @@ class TrainingRun:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         device_type = "cuda" if str(self.device).startswith("cuda") else "cpu"
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss, metrics = head_loss(self.kind, self.head, batch, self.frozen, self.budget.ttt_steps,
-                                      prompt_weight=self.budget.prompt_weight)
+            loss, metrics = head_kind(self.kind).loss(self.head, batch, self.frozen, self.budget)
         (loss / self.budget.accumulate).backward()
         return float(loss.detach()), metrics
 
@@ -285,24 +277,13 @@ class TrainingRun:
             return 0.0
         head = self.head.to("cpu").eval()
         self.decoding_target = self.decoding_target or decoding_target(self.kind, self.target)
-        drafter = build_drafter(self.kind, self.decoding_target, draft_model=head)
+        drafter = build_drafter(head_kind(self.kind).drafter, self.decoding_target, draft_model=head)
         new = forwards = 0
         for prompt in tqdm(prompts, desc="held-out tau", unit="prompt", leave=False):
             _, stats = generate(self.decoding_target, drafter, prompt, self.budget.eval_tokens, SamplingParams())
             new, forwards = new + stats.new_tokens, forwards + stats.target_forwards
         self.head.to(self.device).train()
         return new / max(1, forwards)
-
-
-def frozen_tensors(kind: str, target, head) -> dict[str, torch.Tensor]:
-    """The target tensors a head's loss reads, frozen (losses.py): the exit heads need only their draft vocabulary's
-    LM head rows; EAGLE-3 those and the embedding; the others the embedding and the whole LM head."""
-    if kind in EXIT_KINDS:
-        return {"draft_lm_head": target_side.lm_head_rows(target, head.target_ids())}
-    frozen = target_side.frozen_weights(target)
-    if kind == "eagle3":
-        frozen["draft_lm_head"] = frozen["lm_head"][head.target_ids()]
-    return frozen
 
 
 def decoding_target(kind: str, target):
@@ -313,7 +294,7 @@ def decoding_target(kind: str, target):
     from ..models.hf import HFModel
     from ..models.native import from_transformers, supported
 
-    if not DRAFTERS[kind].needs_sublayers or target.runs_sublayers:
+    if not DRAFTERS[head_kind(kind).drafter].needs_sublayers or target.runs_sublayers:
         return target
     if not isinstance(target, HFModel) or not supported(target.model.config.get_text_config(decoder=True)):
         raise SpecDecodeError(f"the {kind} drafter cannot run on {target.name}'s backend.",

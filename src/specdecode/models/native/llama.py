@@ -20,7 +20,7 @@ from ..base import (
     BatchInputs, CausalLM, ForwardRequest, Resume, Sublayers, attention_mask, batch_attention_mask, fill_hidden,
     place_probes, wanted_layers,
 )
-from .linear import Linear
+from .linear import TILE, Linear, dequantize
 from .weights import PreparedWeights
 from .ops import Heads, RotaryTable, inverse_frequencies, row_ops
 
@@ -110,6 +110,46 @@ class LlamaModel(CausalLM):
     @torch.inference_mode()
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
         return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
+
+    def decoder_shapes(self) -> dict:
+        inv_freq = next(iter(self.kinds.values()))[0]  # the full-attention layers' rotary frequencies
+        return dict(
+            hidden_size=self.embedding.shape[1], num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
+            head_dim=self.head_dim, intermediate_size=self.blocks[0].down.in_features, rms_norm_eps=float(self.eps),
+            rope_theta=float(inv_freq[1] ** (-self.head_dim / 2)) if inv_freq.numel() > 1 else 10000.0,
+            target_architecture=type(self).__name__,
+        )
+
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        return {"embedding": self.embedding.float(), "norm": self.norm.float(), "lm_head": self.lm_head.weight()}
+
+    @torch.no_grad()  # not inference_mode: training multiplies by these rows under autograd
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head
+        if head.dense is not None:
+            return head.dense[token_ids].float()
+        tiles = torch.unique(token_ids // TILE)  # [t]: the packed tiles holding these rows
+        rows = dequantize(head.packed[tiles], head.quant)  # [t * TILE, d]
+        where = torch.searchsorted(tiles, token_ids // TILE) * TILE + token_ids % TILE
+        return rows[where]
+
+    @torch.no_grad()
+    def last_layer_weights(self) -> dict[str, torch.Tensor] | None:
+        block = self.blocks[-1]
+        if self.act != "silu" or block.post_attn_norm is not None or block.q_norm is not None:
+            return None
+        sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+        layer = {"input_layernorm.weight": block.attn_norm.float(),
+                 "post_attention_layernorm.weight": block.mlp_norm.float(),
+                 "self_attn.o_proj.weight": block.out.weight(), "mlp.down_proj.weight": block.down.weight()}
+        for name, weight in zip("qkv", block.qkv.weight().split(sizes)):
+            layer[f"self_attn.{name}_proj.weight"] = weight
+        if block.qkv.bias is not None:
+            for name, bias in zip("qkv", block.qkv.bias.float().split(sizes)):
+                layer[f"self_attn.{name}_proj.bias"] = bias
+        gate, up = block.gate_up.weight().chunk(2)
+        layer.update({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
+        return layer
 
     @torch.inference_mode()
     def forward(self, cache, input_ids, positions, tree_mask, last_only=False, probe_embedding=None, hidden=None,
