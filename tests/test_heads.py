@@ -61,15 +61,17 @@ def test_sharegpt_records_stop_at_the_last_complete_record():
     assert [r["id"] for r in records(text)] == ["a"]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra", "hass"])
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path, kind, monkeypatch):
     from specdecode import files
+    from specdecode.heads import head_kind
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     assert files.cache_root() == tmp_path / "cache"
     store = FeatureStore(tmp_path / "features")
-    layers = [0, 1, 1] if kind == "eagle3" else []
-    store.extract(target, greedy_sequences(target, 12), layers, kind == "eagle3", {"test": kind}, shard_tokens=150)
+    fused = head_kind(kind).reads_layer_states
+    layers = head_kind(kind).feature_layers(target) if fused else []
+    store.extract(target, greedy_sequences(target, 12), layers, fused, {"test": kind}, shard_tokens=150)
     assert len(store.manifest["shards"]) > 1  # several shards, read back in order
     sequences = store.load()
     assert [len(s["ids"]) for s in sequences] == [30] * 12
@@ -428,3 +430,49 @@ def test_an_eagle3_head_starts_from_the_targets_last_layer_on_both_backends(fami
     assert torch.equal(narrow.layer.self_attn.o_proj.weight, source.self_attn.o_proj.weight)
     gemma = tiny_model("gemma3", seed=3)
     assert gemma.last_layer_weights() is None and native_twin(gemma).last_layer_weights() is None  # not a Llama block: random start
+
+
+def test_training_picks_bfloat16_only_where_the_hardware_has_it(monkeypatch):
+    from specdecode import kernels
+    from specdecode.train.commands import bfloat16_is_native
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # emulated: float32 is faster
+    assert not bfloat16_is_native("cpu") and bfloat16_is_native("cuda:0")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert bfloat16_is_native("cpu")
+
+
+def test_hass_top_k_distillation_is_the_cross_entropy_over_the_targets_top_tokens():
+    from specdecode.heads.eagle3 import top_k_cross_entropy
+    from specdecode.heads.kinds import soft_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    target_logits, logits = torch.randn(5, 12, generator=generator), torch.randn(5, 12, generator=generator)
+    assert torch.allclose(top_k_cross_entropy(target_logits, logits, 12), soft_cross_entropy(target_logits, logits))
+    best = target_logits.argmax(-1, keepdim=True)
+    only_best = -(torch.softmax(target_logits, -1).gather(-1, best) * torch.log_softmax(logits, -1).gather(-1, best))
+    assert torch.allclose(top_k_cross_entropy(target_logits, logits, 1), only_best[:, 0])
+
+
+def test_a_run_out_of_time_publishes_its_head_and_a_rerun_finishes_the_epoch(target, tmp_path, monkeypatch):
+    from itertools import count
+
+    from specdecode.train import trainer
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    clock = count()
+    monkeypatch.setattr(trainer.time, "monotonic", lambda: float(next(clock)))  # one second per reading
+    store = FeatureStore(tmp_path / "features")
+    store.extract(target, greedy_sequences(target, 8), [], False, {"test": "hours"})
+    budget = Budget(epochs=1, hours=4 / 3600, medusa_heads=2, lr=3e-3, warmup=1, batch=1, eval_tokens=8)
+    run = TrainingRun("medusa", initial_head("medusa", target, store.load(), budget), target, store.load(), tmp_path,
+                      budget, "cpu", False)
+    report = run.run(PROMPTS[:1])
+    assert not report["finished"] and 0 < report["stopped"]["batch"] < 8 and report["stopped"]["tau"] >= 1.0
+    assert (tmp_path / "cache" / "heads" / target.name / "medusa" / "config.json").is_file()  # usable already
+    rest = Budget(**{**budget.__dict__, "hours": 0.0})
+    resumed = TrainingRun("medusa", initial_head("medusa", target, store.load(), rest), target, store.load(),
+                          tmp_path, rest, "cpu", False)
+    assert resumed.state["batch"] == report["stopped"]["batch"]
+    finished = resumed.run(PROMPTS[:1])
+    assert finished["finished"] and finished["epoch"] == 1 and "stopped" not in finished

@@ -122,7 +122,10 @@ class Eagle3Kind(HeadKind):
         return eagle3_loss(head, batch, frozen, budget.ttt_steps, budget.prompt_weight)
 
 
-def eagle3_loss(head, batch: dict, frozen: dict, steps: int, prompt_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+def eagle3_loss(head, batch: dict, frozen: dict, steps: int, prompt_weight: float = 0.0,
+                top_k: int = 0, top_k_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """EAGLE-3's training-time-test loss (module docstring); with top_k, each step adds top_k_weight x HASS's
+    harmonized objective distillation: the cross-entropy restricted to the target's top_k tokens."""
     ids, last, fused, valid = batch["ids"], batch["last"].float(), batch["fused"], batch["valid"]
     b, t = ids.shape[0], ids.shape[1] - 1  # rows: t = 0..T-2, one per (feature t, token t+1)
     draft_head = frozen["draft_lm_head"]  # [Vd, d]
@@ -150,6 +153,8 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, prompt_weight: floa
     all_logits = head.draft_logits(torch.cat(outputs, dim=1))  # [B, steps * t, Vd]
     wanted = torch.cat([target_p[:, 1 + step : 1 + step + t] for step in range(steps)], dim=1)  # position t+1+j
     cross_entropy = soft_cross_entropy(wanted, all_logits)  # [B, steps * t]
+    if top_k:
+        cross_entropy = cross_entropy + top_k_weight * top_k_cross_entropy(wanted, all_logits, top_k)
     total = 0.0
     for step in range(steps):
         step_rows = cross_entropy[:, step * t : (step + 1) * t]  # [B, t]
@@ -158,3 +163,24 @@ def eagle3_loss(head, batch: dict, frozen: dict, steps: int, prompt_weight: floa
     rows = ok[:, 2 : 2 + t]  # the token predicted (t+2) is in the answer and drafteable
     accuracy = masked_mean((all_logits[:, :t].argmax(-1) == target_top[:, 1:]).float(), rows)
     return total, {"acc": float(accuracy)}
+
+
+def top_k_cross_entropy(target_logits: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:  # [..] per row
+    """-sum over the target's k most likely tokens x of p(x) log q(x): the part of the distillation that decides
+    which tokens the draft ranks first, where acceptance is decided (HASS)."""
+    target_probs, top = torch.softmax(target_logits.float(), -1).topk(min(k, target_logits.shape[-1]), dim=-1)
+    return -(target_probs * torch.log_softmax(logits.float(), -1).gather(-1, top)).sum(-1)
+
+
+@register_kind("hass")
+class HASSKind(Eagle3Kind):
+    """HASS (Zhang et al., ICLR 2025, arXiv 2408.15766) on the EAGLE-3 head: harmonized context alignment (training
+    on the head's own earlier outputs, as it drafts: EAGLE-3's training-time test, `ttt_steps` deep) and harmonized
+    objective distillation (the cross-entropy over the target's top-K tokens added to the full one, K = 10,
+    weight 1, HASS's defaults). Same head, same drafter: only the objective differs."""
+
+    drafter = "eagle3"
+    top_k, top_k_weight = 10, 1.0
+
+    def loss(self, head, batch, frozen, budget, train=True):
+        return eagle3_loss(head, batch, frozen, budget.ttt_steps, budget.prompt_weight, self.top_k, self.top_k_weight)

@@ -32,14 +32,17 @@ def add_parsers(sub) -> None:
                        help="train on answers the target regenerates (batched; slower), not on ShareGPT's")
     train.add_argument("--lr", type=float)
     train.add_argument("--device", default="cpu", help="where the head trains: cpu, cuda, cuda:1 ...")
-    train.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="the target's dtype")
+    train.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="the target's dtype (auto: bfloat16 on a GPU or a CPU with native bfloat16, AVX512_BF16 or "
+                       "AMX; float32 elsewhere, where bfloat16 is emulated and several times slower)")
     train.add_argument("--backend", choices=["hf", "native", "auto"],
                        help="target backend for regeneration and features (default hf: batched regeneration; "
                        "native with --quant)")
     train.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
                        help="the target's weights for features and held-out tau (native backend): train on the "
                        "weights you verify with; on a CPU int4 also extracts faster than bfloat16")
-    train.add_argument("--no-bf16", action="store_true", help="train in float32 (no bfloat16 autocast)")
+    train.add_argument("--no-bf16", action="store_true",
+                       help="train in float32 (default: bfloat16 autocast where bfloat16 is native, as for --dtype auto)")
     train.set_defaults(run=cmd_train)
 
     export = sub.add_parser("export-head", help="write a trained EAGLE-3 head in the speculators format (vLLM)")
@@ -53,6 +56,7 @@ def add_parsers(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
+    from ..heads import head_kind
     from ..heads.store import cache_dir
     from ..models.loading import load_model
     from ..files import cache_root
@@ -61,7 +65,9 @@ def cmd_train(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecDecodeError(f"--device {args.device}: no CUDA device is available.", "Use --device cpu.")
     backend = args.backend or ("hf" if args.quant == "none" else "native")
-    target = load_model(args.model, args.dtype, backend, args.quant)  # the target's forwards run on the CPU engine
+    native_bf16 = bfloat16_is_native(args.device)
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if native_bf16 else "float32"
+    target = load_model(args.model, dtype, backend, args.quant)  # the target's forwards run on the CPU engine
     budget = scaled_budget(
         target, max_tokens=args.max_tokens, epochs=args.epochs, hours=args.hours, draft_vocab=args.draft_vocab,
         exit_layer=args.exit_layer,
@@ -69,11 +75,20 @@ def cmd_train(args) -> int:
         regenerate=True if args.regenerate else None, warm_start=False if args.random_init else None,
     )
     out = args.out or cache_root() / "training" / cache_dir(target.name, args.kind).relative_to(cache_root() / "heads")
-    report = train(args.kind, target, out, budget, args.device, bf16=not args.no_bf16)
+    report = train(args.kind, target, out, budget, args.device, bf16=native_bf16 and not args.no_bf16)
     history = report["history"]
-    print(json.dumps({"head": report["head"], "finished": report["finished"], "tokens": report["tokens"],
-                      "train_seconds": round(report["train_seconds"]), "history": history}, indent=2))
+    print(json.dumps({"head": report["head"], "drafter": head_kind(args.kind).drafter, "finished": report["finished"],
+                      "tokens": report["tokens"], "train_seconds": round(report["train_seconds"]), "history": history},
+                     indent=2))
     return 0
+
+
+def bfloat16_is_native(device: str) -> bool:
+    """A GPU, or a CPU with AVX512_BF16 or AMX: bfloat16 arithmetic in hardware. Elsewhere torch emulates it, and
+    both the target's forwards and the head's autocast steps run several times slower than in float32."""
+    from ..kernels import cpu_flags
+
+    return device.startswith("cuda") or bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def cmd_export(args) -> int:

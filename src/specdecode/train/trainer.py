@@ -203,7 +203,9 @@ class TrainingRun:
         while self.state["epoch"] < self.budget.epochs:
             if not self.train_epoch(deadline):
                 finished = False
+                self.publish_partial(held_out_prompts)
                 break
+            self.state.pop("stopped", None)  # a partial epoch's tau, now superseded
             tau = self.evaluate(held_out_prompts)
             self.state["history"][-1]["tau"] = tau
             print(f"epoch {self.state['epoch']}: tau {tau:.2f} on {len(held_out_prompts)} held-out prompts")
@@ -214,6 +216,16 @@ class TrainingRun:
                 "sequences": sum(len(b["ids"]) for b in self.batches),
                 "tokens": int(sum(int(b["valid"].sum()) for b in self.batches)), **self.state,
                 "head": str(cache_dir(self.target.name, self.kind))}
+
+    def publish_partial(self, held_out_prompts: list[list[int]]) -> None:
+        """The time ran out mid-epoch: the head as it stands is still the best this run has, so measure its held-out
+        tau (state["stopped"]: where, and that tau) and publish it; a rerun resumes from the checkpoint."""
+        if not self.state["batch"]:
+            return
+        tau = self.evaluate(held_out_prompts)
+        self.state["stopped"] = {"epoch": self.state["epoch"] + 1, "batch": self.state["batch"], "tau": tau}
+        print(f"stopped in epoch {self.state['epoch'] + 1} after {self.state['batch']} batches: tau {tau:.2f}")
+        self.publish()
 
     def train_epoch(self, deadline) -> bool:
         """One epoch from the saved position; False if the time ran out first (a checkpoint is saved)."""
