@@ -61,7 +61,7 @@ def test_sharegpt_records_stop_at_the_last_complete_record():
     assert [r["id"] for r in records(text)] == ["a"]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra", "hass"])
+@pytest.mark.parametrize("kind", ["eagle", "fspad", "eagle3", "medusa", "hydra", "hass"])
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(target, tmp_path, kind, monkeypatch):
     from specdecode import files
     from specdecode.heads import head_kind
@@ -178,15 +178,17 @@ def test_training_runs_on_cuda(target, tmp_path, monkeypatch):
     assert [h["epoch"] for h in run.run(PROMPTS[:1])["history"]] == [1, 2]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra", "kangaroo", "eesd"])
+@pytest.mark.parametrize("kind", ["eagle", "fspad", "eagle3", "medusa", "hydra", "kangaroo", "eesd"])
 def test_head_folder_loads_back_bit_identically(target, tmp_path, kind):
     head = new_head(kind, target, seed=3, draft_vocab_size=20)
     loaded = load_head(save_head(head, tmp_path / kind), kind)
     assert loaded.config == head.config
     for name, tensor in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    from specdecode.heads import head_kind
+
     with pytest.raises(SpecDecodeError, match="not"):
-        load_head(tmp_path / kind, "eagle" if kind != "eagle" else "medusa")
+        load_head(tmp_path / kind, "medusa" if head_kind(kind).drafter != "medusa" else "eagle")
 
 
 def speculators_head(target, tmp_path):
@@ -476,3 +478,22 @@ def test_a_run_out_of_time_publishes_its_head_and_a_rerun_finishes_the_epoch(tar
     assert resumed.state["batch"] == report["stopped"]["batch"]
     finished = resumed.run(PROMPTS[:1])
     assert finished["finished"] and finished["epoch"] == 1 and "stopped" not in finished
+
+
+@pytest.mark.parametrize("kind", ["fspad", "hass"])
+def test_variant_kinds_draft_through_their_drafter_identically_to_plain(target, tmp_path, kind):
+    """FSPAD's head (2d outputs, split between the LM head and the next step) and HASS's (EAGLE-3's, trained
+    otherwise) run through the drafters they name: greedy answers equal plain decoding's, drafts get accepted."""
+    from conftest import quick_head
+
+    from specdecode.heads import head_kind
+
+    head = quick_head(target, kind, tmp_path)
+    drafter = build_drafter(head_kind(kind).drafter, target, draft_model=head)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = generate(target, build_drafter("none", target), prompt, 30, GREEDY)[0]
+        tokens, stats = generate(target, drafter, prompt, 30, GREEDY)
+        assert tokens == plain
+        accepted += stats.accepted_tokens
+    assert accepted > 0

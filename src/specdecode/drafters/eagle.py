@@ -137,7 +137,7 @@ class EagleDrafter(HeadDrafter):
         self.tree = TreeStrategy(structure, depth, topk, budget, length, threshold, min_gain, accept)
         self.max_nodes = self.tree.max_nodes
         self.cache = None
-        self.root_output: torch.Tensor | None = None  # [d]: the last committed entry's head output
+        self.root_output: torch.Tensor | None = None  # [w]: the last committed entry's head output
 
     def start(self, prompt_ids, capacity):
         super().start(prompt_ids, capacity)
@@ -163,7 +163,7 @@ class EagleDrafter(HeadDrafter):
             outputs = self.run_head(tokens, features, positions, causal)  # [q, d]
             self.cache.commit_all()
             self.root_output = outputs[-1]
-        return self.logits(self.root_output[None])[0]
+        return self.logits(self.head.predicted(self.root_output[None]))[0]
 
     def run_head(self, tokens, inputs, positions, tree_mask) -> torch.Tensor:
         """One head forward over q new entries (uncommitted); tree_mask [q, pending + q]; returns [q, d]."""
@@ -189,7 +189,7 @@ class _HeadExpansion:
     def __init__(self, drafter: EagleDrafter, context_len: int):
         self.drafter, self.context_len = drafter, context_len
         self.slot: dict[int, int] = {}  # node -> its offset among the cache's uncommitted entries
-        self.outputs: list[torch.Tensor] = []  # [d] per uncommitted entry
+        self.outputs: list[torch.Tensor] = []  # [w] head output per uncommitted entry
 
     def __call__(self, tree: TreeGrowth, frontier: list[int], depth: int) -> torch.Tensor:  # [F, V]
         pending = self.drafter.cache.pending
@@ -204,9 +204,10 @@ class _HeadExpansion:
             parents.append(self.drafter.root_output if parent < 0 else self.outputs[self.slot[parent]])
         tokens = torch.tensor([tree.tokens[n] for n in frontier])
         positions = torch.full((f,), self.context_len + depth - 1)
-        outputs = self.drafter.run_head(tokens, torch.stack(parents), positions, mask)  # [F, d]
+        head = self.drafter.head
+        outputs = self.drafter.run_head(tokens, head.next_feature(torch.stack(parents)), positions, mask)  # [F, w]
         self.outputs.extend(outputs)
-        return self.drafter.logits(outputs)
+        return self.drafter.logits(head.predicted(outputs))
 
 
 @register("eagle")

@@ -1,8 +1,8 @@
-"""Draft heads: feature-level heads (EAGLE-1, EAGLE-3, Medusa-1, Hydra) and self-speculation's exit heads (Kangaroo,
-EESD): the torch modules, the kinds that say how each is fed, started and trained (kinds.py: importing this package
+"""Draft heads: feature-level heads (EAGLE-1, FSPAD, EAGLE-3, HASS, Medusa-1, Hydra) and self-speculation's exit
+heads (Kangaroo, EESD): the torch modules, the kinds that say how each is fed, started and trained (kinds.py: importing this package
 registers every kind, one module each), how heads are stored and found, and what they borrow from the target."""
 
-from . import eagle, eagle3, exit, hydra, medusa  # noqa: F401  (registration side effect)
+from . import eagle, eagle3, exit, fspad, hydra, medusa  # noqa: F401  (registration side effect)
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
 from .exit import EESDExitLayer, KangarooAdapter

@@ -38,6 +38,14 @@ class EagleHead(nn.Module):
         fused = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         return self.layer(fused, fused, positions, kv, mask)
 
+    def predicted(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The part of the head's outputs its logits are read from (here: all of it)."""
+        return outputs
+
+    def next_feature(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The part of the head's outputs a child node's step reads as its feature (here: all of it)."""
+        return outputs
+
     def feature_input(self, features: torch.Tensor) -> torch.Tensor:
         """The head's input feature from the target's extracted one (here: as is)."""
         return features
@@ -55,13 +63,14 @@ class EagleKind(HeadKind):
             features = features + (torch.rand_like(features) - 0.5) * NOISE
         embeds = F.embedding(ids[:, 1:], frozen["embedding"])
         positions = torch.arange(1, t + 1, device=ids.device).expand(ids.shape[0], t)
-        predicted = head(embeds, features, positions, SequenceKV(), causal_mask(t, ids.device)).float()  # [B, t, d]
+        outputs = head(embeds, features, positions, SequenceKV(), causal_mask(t, ids.device)).float()  # [B, t, w]
         wanted = last[:, 1:]
         rows = valid[:, 1:]
-        regression = masked_mean(F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), rows)
+        regressed = head.next_feature(outputs)  # [B, t, d]: what a child's step reads, aligned to f_{t+1}
+        regression = masked_mean(F.smooth_l1_loss(regressed, wanted, reduction="none").mean(-1), rows)
         with torch.no_grad():
             target_logits = wanted @ frozen["lm_head"].T  # [B, t, V]
-        logits = predicted @ frozen["lm_head"].T
+        logits = head.predicted(outputs) @ frozen["lm_head"].T
         token = masked_mean(soft_cross_entropy(target_logits, logits), rows)
         accuracy = masked_mean((logits.argmax(-1) == target_logits.argmax(-1)).float(), rows)
         return regression + 0.1 * token, {"acc": float(accuracy), "reg": float(regression.detach())}

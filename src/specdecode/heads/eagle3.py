@@ -45,6 +45,14 @@ class Eagle3Head(nn.Module):
         residual = normed if self.config.norm_before_residual else hidden
         return self.layer(attn_input, residual, positions, kv, mask)
 
+    def predicted(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The part of the head's outputs its logits are read from (here: all of it)."""
+        return outputs
+
+    def next_feature(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The part of the head's outputs a child node's step reads as its feature (here: all of it)."""
+        return outputs
+
     def feature_input(self, fused: torch.Tensor) -> torch.Tensor:
         """[.., 3d] concatenated target features -> [.., d]."""
         return self.fc(fused.to(self.fc.weight.dtype))

@@ -39,8 +39,8 @@ def save_head(head, folder: str | Path, extra: dict | None = None) -> Path:
 
 
 def load_head(folder: str | Path, kind: str | None = None):
-    """A head (eval mode, float32) from a folder in any supported layout; `kind` (if given): the drafter that will
-    run it, which must be the one its kind drafts with."""
+    """A head (eval mode, float32) from a folder in any supported layout; `kind` (if given): its kind, or the drafter
+    that will run it, which must be the one its kind drafts with."""
     from . import speculators_format
 
     folder = Path(folder).expanduser()
@@ -55,7 +55,7 @@ def load_head(folder: str | Path, kind: str | None = None):
         config, state = speculators_format.read_speculators(raw, read_weights(folder))
     else:
         config, state = speculators_format.read_original_eagle(raw, read_weights(folder))
-    if kind is not None and head_kind(config.kind).drafter != kind:
+    if kind is not None and kind not in (config.kind, head_kind(config.kind).drafter):
         drafter = head_kind(config.kind).drafter
         raise SpecDecodeError(f"{folder} holds a {config.kind} head, which the {drafter} drafter runs, not {kind}.",
                               f"Use --drafter {drafter}.")
