@@ -19,7 +19,7 @@ from .tree_growth import TreeGrowth, TreeStrategy
 class HydraDrafter(HeadDrafter):
     kind = "hydra"
     sizes = {"depth": "depth", "budget": "nodes"}
-    variants = ({}, {"depth": 2, "topk": 1})  # the other tree structures are eagle's code, tested there
+    variants = ({}, {"depth": 2, "topk": 1}, {"structure": "sequoia", "budget": 5, "depth": 3})
     tune_grid = ({"topk": 1}, {"topk": 2, "budget": 6}, {"topk": 4, "budget": 16}, {"structure": "opt", "budget": 10})
 
     def __init__(self, target, draft_model=None, structure: str = "eagle2", depth: int = 4, topk: int = 3,
