@@ -49,8 +49,8 @@ def resolve_head(target, kind: str, draft_model):
 
 
 def _given_head(kind: str, head: torch.nn.Module) -> torch.nn.Module:
-    drafter = head_kind(head.config.kind).drafter
-    if drafter != kind:
+    if not head_kind(head.config.kind).answers_to(kind):
+        drafter = head_kind(head.config.kind).drafter
         raise SpecDecodeError(f"a {head.config.kind} head cannot drive the {kind} drafter.", f"Use --drafter {drafter}.")
     return head
 

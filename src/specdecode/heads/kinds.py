@@ -53,6 +53,10 @@ class HeadKind:
     reads_layer_states: ClassVar[bool] = False
     draft_vocabulary: ClassVar[bool] = False  # True: it drafts over its own vocabulary (set_vocabulary, target_ids)
 
+    def answers_to(self, name: str) -> bool:
+        """Is `name` this kind, or the drafter that runs it (what a loader or a drafter asking for a head says)?"""
+        return name in (self.name, self.drafter)
+
     def feature_layers(self, target, exit_layer: int = 0) -> list[int]:
         """The target's hidden states it reads, in order; n_layers = the last layer's output (then the final norm).
         `exit_layer` is the trainer's --exit-layer (0: the kind's default), for kinds that read an early layer."""

@@ -55,7 +55,7 @@ def load_head(folder: str | Path, kind: str | None = None):
         config, state = speculators_format.read_speculators(raw, read_weights(folder))
     else:
         config, state = speculators_format.read_original_eagle(raw, read_weights(folder))
-    if kind is not None and kind not in (config.kind, head_kind(config.kind).drafter):
+    if kind is not None and not head_kind(config.kind).answers_to(kind):
         drafter = head_kind(config.kind).drafter
         raise SpecDecodeError(f"{folder} holds a {config.kind} head, which the {drafter} drafter runs, not {kind}.",
                               f"Use --drafter {drafter}.")

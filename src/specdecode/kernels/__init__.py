@@ -64,6 +64,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def bfloat16_native() -> bool:
+    """Does this CPU do bfloat16 arithmetic in hardware (AVX512_BF16 or AMX)? Elsewhere torch emulates it."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

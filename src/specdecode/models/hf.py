@@ -44,7 +44,7 @@ class HFModel(CausalLM):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        config = model.config.get_text_config(decoder=True)
+        self.text_config = config = model.config.get_text_config(decoder=True)
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = int(getattr(config, "max_position_embeddings", 4096))
@@ -142,11 +142,8 @@ class HFModel(CausalLM):
     def embed(self, token_ids):
         return self.model.get_input_embeddings()(token_ids)  # [..., H], scaled as the model scales them
 
-    def _text_config(self):
-        return self.model.config.get_text_config(decoder=True)
-
     def decoder_shapes(self) -> dict:
-        c = self._text_config()
+        c = self.text_config
         rope = getattr(c, "rope_parameters", None) or {}
         return dict(
             hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
@@ -168,7 +165,7 @@ class HFModel(CausalLM):
 
     @torch.no_grad()
     def last_layer_weights(self) -> dict[str, torch.Tensor] | None:
-        if self._text_config().model_type not in LLAMA_LAYERS:
+        if self.text_config.model_type not in LLAMA_LAYERS:
             return None
         return {k: v.float().clone() for k, v in self.model.get_decoder().layers[-1].state_dict().items()}
 

@@ -86,9 +86,9 @@ def cmd_train(args) -> int:
 def bfloat16_is_native(device: str) -> bool:
     """A GPU, or a CPU with AVX512_BF16 or AMX: bfloat16 arithmetic in hardware. Elsewhere torch emulates it, and
     both the target's forwards and the head's autocast steps run several times slower than in float32."""
-    from ..kernels import cpu_flags
+    from ..kernels import bfloat16_native
 
-    return device.startswith("cuda") or bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return device.startswith("cuda") or bfloat16_native()
 
 
 def cmd_export(args) -> int:

@@ -40,7 +40,7 @@ def capability() -> dict:
         "model": kernels.cpu_model(),
         "threads": torch.get_num_threads(),
         "flags": [flag for flag in FLAGS if flag in flags],
-        "bfloat16": "native" if {"avx512_bf16", "amx_bf16"} & flags else "emulated (no AVX512_BF16/AMX)",
+        "bfloat16": "native" if kernels.bfloat16_native() else "emulated (no AVX512_BF16/AMX)",
         "isa": kernels.native().isa if kernels.native() else kernels.best_isa(),  # what the build runs
     }
 
