@@ -9,6 +9,7 @@ Engine level: the same check end to end on a tiny model, for every drafter that 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -21,7 +22,7 @@ from specdecode.drafters.tli import TLIDrafter
 from specdecode.engine import generate
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.tree import Draft, depths
-from specdecode.verify import RejectionVerifier
+from specdecode.verify import RejectionVerifier, block
 from specdecode.verify.rejection import residual
 from specdecode.verify.base import verdict
 
@@ -221,7 +222,7 @@ def engine_counts(target, drafter, prompt, params: SamplingParams, vocab: int, l
     drafter.propose = recorded
     deepest = 0
     for seed in range(n):
-        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+        seeded = dataclasses.replace(params, seed=seed)
         tokens, stats = generate(target, drafter, prompt, at + length + 1, seeded)
         counts[tuple(tokens[at : at + length])] += 1
         deepest = max([deepest, *stats.accepted_per_step])
@@ -282,25 +283,45 @@ def sequence_mask(parents: torch.Tensor) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()  # [N+1, N+1]
 
 
+def stop_without_shortfall(target_probs, draft_probs, tokens):
+    """A planted bug: block verification's stop probabilities leave out the weight's shortfall 1 - w_i."""
+    weights = block.block_weights(target_probs, draft_probs, tokens)
+    masses = [float(block.residual_mass(w, target_probs[i], draft_probs[i]).sum()) for i, w in enumerate(weights[:-1])]
+    return [min(1.0, m) for m in masses[1:]] + [weights[-1]]
+
+
 PLANTED = {
     "bias at depth 3": ("specdecode.engine.verifier_for", lambda params: DeepBias()),
     "leaky residual": ("specdecode.verify.rejection.residual", leaky_residual),
+    "block stop without shortfall": ("specdecode.verify.block.stop_probabilities", stop_without_shortfall),
     "mask leak": ("specdecode.models.base.ancestor_mask", sequence_mask),
 }
 
 
+TOKEN_WISE = SamplingParams(temperature=1.0, verification="token")  # sampled chains verified token by token
+
+
 @pytest.mark.parametrize(
-    "bug,name,variant",
+    "bug,name,variant,params",
     [
-        ("bias at depth 3", "pld", {}), ("bias at depth 3", "draft", {"depth": 3, "topk": 3, "budget": 7}),
-        ("leaky residual", "recycling", {}), ("leaky residual", "draft", {"depth": 3, "topk": 1}),
-        ("mask leak", "suffix", {}),  # its trees' later branches are accepted often
+        ("bias at depth 3", "pld", {}, SETTINGS[0]),
+        ("bias at depth 3", "draft", {"depth": 3, "topk": 3, "budget": 7}, SETTINGS[0]),
+        ("leaky residual", "recycling", {}, SETTINGS[0]),
+        ("leaky residual", "draft", {"depth": 3, "topk": 1}, TOKEN_WISE),
+        ("block stop without shortfall", "draft", {"depth": 3, "topk": 1}, SETTINGS[0]),
+        ("mask leak", "suffix", {}, SETTINGS[0]),  # its trees' later branches are accepted often
     ],
 )
-def test_planted_engine_bugs_fail_the_test(engine_setup, monkeypatch, bug, name, variant):
+def test_planted_engine_bugs_fail_the_test(engine_setup, monkeypatch, bug, name, variant, params):
     monkeypatch.setattr(*PLANTED[bug])
-    p_value, _, _ = engine_case(engine_setup, name, variant, SETTINGS[0])
+    p_value, _, _ = engine_case(engine_setup, name, variant, params)
     assert p_value < ALPHA, p_value
+
+
+def test_token_wise_verification_of_sampled_chains_matches_plain_sampling(engine_setup):
+    """The matrix verifies sampled chains with the default (block) rule; the token rule stays covered here."""
+    p_value, accepted, _ = engine_case(engine_setup, "draft", {"depth": 3, "topk": 1}, TOKEN_WISE)
+    assert p_value > ALPHA and accepted == JOINT - 1, (p_value, accepted)
 
 
 # ---- drafters with another tokenizer: the first two tokens, through the engine ----------------------------------

@@ -77,13 +77,18 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--verification", choices=["block", "token"], default="block",
+                        help="how a sampled chain is verified: block verification (default; accepts as many tokens as "
+                             "any lossless rule can) or token by token. Both keep the target's distribution")
 
 
 def sampling_kwargs(args) -> dict:
     from .sampling import SamplingParams
 
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading models
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    verification=args.verification)
+    SamplingParams(**sampling)  # validate before loading models
+    return sampling
 
 
 def decoder_from_args(args):

@@ -19,7 +19,7 @@ integral transform; a Kolmogorov-Smirnov distance above a bound that holds with 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -185,7 +185,7 @@ def audit_sampling(
     uniform = torch.Generator().manual_seed(0)
     pit = []
     for seed in tqdm(range(samples), desc=f"audit (sampling, depth {depth})", unit="sample"):
-        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+        seeded = replace(params, seed=seed)
         tokens, _ = generate(target, drafter, prompt, depth + 2, seeded, verifier)
         if len(tokens) <= depth:  # stopped at an end-of-sequence token before that depth
             continue

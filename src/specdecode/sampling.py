@@ -9,12 +9,18 @@ import torch
 from .errors import SpecDecodeError
 
 
+VERIFICATIONS = ("block", "token")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    # How a sampled chain is verified: "block" (block verification: the whole chain judged jointly, never fewer
+    # tokens accepted) or "token" (token by token). Both keep the target's distribution; trees use the token rule.
+    verification: str = "block"
 
     def __post_init__(self):
         if not self.temperature >= 0:  # also rejects NaN
@@ -23,6 +29,9 @@ class SamplingParams:
             raise SpecDecodeError(f"top-k must be >= 0, got {self.top_k}.", "Use 0 to disable top-k.")
         if not 0 < self.top_p <= 1:
             raise SpecDecodeError(f"top-p must be in (0, 1], got {self.top_p}.", "Use 1 to disable top-p.")
+        if self.verification not in VERIFICATIONS:
+            raise SpecDecodeError(f"unknown verification '{self.verification}'.",
+                                  f"Use one of: {', '.join(VERIFICATIONS)}.")
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,8 @@
 """Rows of a benchmark: our drafters through the engine, and peers (transformers' own speculative decoding).
 
-Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `draft:qwen2.5-coder-0.5b-instruct+depth=5`),
+Method specs: NAME[:DRAFT_MODEL][+KEY=VALUE...] for a registered drafter (e.g. `draft:qwen2.5-coder-0.5b-instruct+depth=5`;
+two keys are the engine's, not the drafter's: `+governor=false` speculates at every step, `+verify=token` verifies
+sampled chains token by token instead of the run's --verification),
 `hf-assisted:DRAFT_MODEL` (transformers' assisted generation), `hf-uag:DRAFT_MODEL` (transformers' universal
 assisted generation: a draft model of another tokenizer, string-level matching when greedy and token-level
 intersection when sampling), `hf-pld` (transformers' prompt lookup), and
@@ -15,6 +17,7 @@ the llama.cpp and openvino ones may end in
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -25,13 +28,16 @@ from ..engine import generate
 from ..governor import Governor
 from ..errors import SpecDecodeError
 from ..models.base import CausalLM
+from ..sampling import SamplingParams
 from ..tune.profile import tuned_drafter
 from .method import Method
 
 
 class EngineMethod(Method):
-    def __init__(self, label: str, target: CausalLM, make_drafter, governed: bool = True):
+    def __init__(self, label: str, target: CausalLM, make_drafter, governed: bool = True,
+                 verification: str | None = None):
         self.label, self.target, self.make_drafter = label, target, make_drafter
+        self.verification = verification  # None: the run's
         self.drafter = make_drafter()
         self.governed = governed and self.drafter.max_nodes > 0  # as the API runs it: plain steps where drafting loses
         self.governor: Governor | None = None
@@ -44,6 +50,8 @@ class EngineMethod(Method):
         if self.governed:  # carried from one generation to the next, as the API does
             self.governor = self.governor.for_next_request() if self.governor else Governor()
         governor = self.governor if self.governed else None
+        if self.verification:
+            params = dataclasses.replace(params, verification=self.verification)
         tokens, stats = generate(self.target, self.drafter, prompt_ids, max_new_tokens, params, governor=governor,
                                  prefix_cache=self.prefix_cache)
         record = stats.as_dict()
@@ -172,10 +180,14 @@ def build_method(spec: str, target: CausalLM, load) -> Method:
         )
     options = parse_options(option_pairs)
     governed = bool(options.pop("governor", True))  # +governor=false: speculate at every step
+    verification = options.pop("verify", None)  # +verify=token: this row verifies sampled chains token by token
+    if verification is not None:
+        SamplingParams(verification=str(verification))  # a clear message for an unknown rule
     draft = draft_model or None  # a head drafter reads its folder itself
     if draft_model and not DRAFTERS[name].takes_draft_folder:
         draft = load(draft_model, weights or None, draft=True)
-    return EngineMethod(spec, target, lambda: tuned_drafter(name, target, draft_model=draft, **options), governed)
+    return EngineMethod(spec, target, lambda: tuned_drafter(name, target, draft_model=draft, **options), governed,
+                        verification and str(verification))
 
 
 def _transformers_method(spec: str, head: str, target: CausalLM, load) -> Method:

@@ -38,6 +38,7 @@ class BenchConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    verification: str = "block"  # sampled chains (sampling.VERIFICATIONS); a method's +verify=... overrides it
     dtype: str = "bfloat16"
     backend: str = "auto"
     quant: str = "none"
@@ -139,7 +140,8 @@ def run_jobs(config: BenchConfig, target, methods: list[Method], questions: list
                     shared.prefixes.clear()
             bar.set_postfix_str(f"{method.label} q{q.question_id} t{turn + 1}")
             prompt = _prompt_ids(target, q, turn, [answers[(method.label, q.question_id, t, repeat)] for t in range(turn)])
-            params = SamplingParams(config.temperature, config.top_k, config.top_p, seed=_seed(config, q, turn, repeat))
+            params = SamplingParams(config.temperature, config.top_k, config.top_p, seed=_seed(config, q, turn, repeat),
+                                    verification=config.verification)
             record = method.run(prompt, config.max_new_tokens, params)
             if shared is not None:
                 shared.charge(record, method.label, (q.question_id, turn, repeat))
