@@ -180,6 +180,15 @@ def test_unknown_method_names_the_choices():
     assert build_method("pld+k=3", target, load=None).drafter.k == 3
 
 
+def test_a_row_picks_its_verification_rule():
+    target = tiny_model("llama")
+    method = build_method("pld+k=3+verify=token", target, load=None)
+    assert method.verification == "token" and method.drafter.k == 3  # the engine's key, not the drafter's
+    assert build_method("pld", target, load=None).verification is None  # the run's rule
+    with pytest.raises(SpecDecodeError, match="unknown verification 'nope'"):
+        build_method("pld+verify=nope", target, load=None)
+
+
 def test_llama_cpp_rows_without_the_extra_say_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
     with pytest.raises(SpecDecodeError, match=r"pip install 'specdecode\[llamacpp\]'"):
