@@ -58,16 +58,13 @@ def block_outcomes():
     for tokens in itertools.product(range(V), repeat=N):
         target_rows, draft_rows = chain_rows(tokens)
         q_draft = math.prod(float(draft_rows[i, t]) for i, t in enumerate(tokens))
-        stops = block.stop_probabilities(target_rows, draft_rows, list(tokens))
         weights = block.block_weights(target_rows, draft_rows, list(tokens))
+        stops = block.stop_probabilities(target_rows, draft_rows, weights)
         for stop in range(N + 1):
             later = math.prod(1 - h for h in stops[stop:])  # no later position stopped
             p_stop = later if stop == 0 else stops[stop - 1] * later
-            if stop == N:
-                after = target_rows[N]
-            else:
-                owed = block.residual_mass(weights[stop], target_rows[stop], draft_rows[stop])
-                after = owed / owed.sum() if owed.sum() > 0 else target_rows[stop]
+            after = (target_rows[N] if stop == N
+                     else block.correction(weights[stop], target_rows[stop], draft_rows[stop]))
             yield q_draft, p_stop, tokens[:stop], after
 
 

@@ -283,9 +283,8 @@ def sequence_mask(parents: torch.Tensor) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()  # [N+1, N+1]
 
 
-def stop_without_shortfall(target_probs, draft_probs, tokens):
+def stop_without_shortfall(target_probs, draft_probs, weights):
     """A planted bug: block verification's stop probabilities leave out the weight's shortfall 1 - w_i."""
-    weights = block.block_weights(target_probs, draft_probs, tokens)
     masses = [float(block.residual_mass(w, target_probs[i], draft_probs[i]).sum()) for i, w in enumerate(weights[:-1])]
     return [min(1.0, m) for m in masses[1:]] + [weights[-1]]
 

@@ -49,9 +49,10 @@ def resolve_head(target, kind: str, draft_model):
 
 
 def _given_head(kind: str, head: torch.nn.Module) -> torch.nn.Module:
-    if not head_kind(head.config.kind).answers_to(kind):
-        drafter = head_kind(head.config.kind).drafter
-        raise SpecDecodeError(f"a {head.config.kind} head cannot drive the {kind} drafter.", f"Use --drafter {drafter}.")
+    given = head_kind(head.config.kind)
+    if not given.answers_to(kind):
+        raise SpecDecodeError(f"a {head.config.kind} head cannot drive the {kind} drafter.",
+                              f"Use --drafter {given.drafter}.")
     return head
 
 

@@ -48,10 +48,18 @@ def residual_mass(weight: float, target_row: torch.Tensor, draft_row: torch.Tens
     return (weight * target_row - draft_row).clamp_(min=0)
 
 
-def stop_probabilities(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: list[int]) -> list[float]:
-    """[h_1 .. h_n]: the probability of stopping at each position, before later positions are considered."""
-    weights = block_weights(target_probs, draft_probs, tokens)
-    n = len(tokens)
+def correction(weight: float, target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """[V] the distribution of the token after a stop before the block's end: norm(max(w p - q, 0)), or p where
+    nothing is owed (p == q up to rounding)."""
+    owed = residual_mass(weight, target_row, draft_row)
+    total = float(owed.sum())
+    return owed / total if total > 0 else target_row
+
+
+def stop_probabilities(target_probs: torch.Tensor, draft_probs: torch.Tensor, weights: list[float]) -> list[float]:
+    """[h_1 .. h_n] from the block weights [w_0 .. w_n]: the probability of stopping at each position, before later
+    positions are considered."""
+    n = len(weights) - 1
     stops = []
     for i in range(1, n):
         mass = float(residual_mass(weights[i], target_probs[i], draft_probs[i]).sum())
@@ -74,12 +82,8 @@ class BlockVerifier(Verifier):
         target_probs = probs_from_logits(target_logits[: n + 1], params).double()  # [n+1, V]
         draft_probs = draft.draft_probs.double()  # [n, V]: row i the distribution token i was drawn from
         draws = torch.rand(n, generator=generator, dtype=torch.float64).tolist()
-        stops = stop_probabilities(target_probs, draft_probs, tokens)
+        weights = block_weights(target_probs, draft_probs, tokens)
+        stops = stop_probabilities(target_probs, draft_probs, weights)
         stop = max((i + 1 for i in range(n) if draws[i] <= stops[i]), default=0)
-        if stop == n:
-            return verdict(draft, list(range(n)), sample(target_probs[n].float(), generator))
-        weight = block_weights(target_probs, draft_probs, tokens)[stop]
-        owed = residual_mass(weight, target_probs[stop], draft_probs[stop])  # [V]
-        total = float(owed.sum())
-        correction = owed / total if total > 0 else target_probs[stop]
-        return verdict(draft, list(range(stop)), sample(correction.float(), generator))
+        after = target_probs[n] if stop == n else correction(weights[stop], target_probs[stop], draft_probs[stop])
+        return verdict(draft, list(range(stop)), sample(after.float(), generator))
