@@ -2,9 +2,11 @@
 prompt chunk, each layer's keys and values distinct (so that a one-row step streams them from memory, as a real
 forward does), the formats (and optionally other kernel builds) alternated round by round in one process.
 
-    python benchmarks/kv_attention.py [--formats f32 bf16 int8] [--builds BUILD_ID ...] [--rounds 5] [--quick]
+    python benchmarks/kv_attention.py [--formats f32 bf16 int8] [--builds BUILD_ID ...] [--isas ISA ...] [--rounds 5]
+        [--quick]
 
---builds: kernel builds under ~/.cache/specdecode/kernels/ to compare with this checkout's, in each format.
+--builds: kernel builds under ~/.cache/specdecode/kernels/ to compare with this checkout's, in each format (builds
+with the same ISA codes). --isas: other code paths of this build (e.g. avx512-vnni beside avx512-bf16).
 Model shape: Qwen2.5-1.5B (12 query heads, 2 KV heads, head_dim 128). Prints ms per layer (median, min)."""
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["f32", "bf16", "int8"], choices=list(KV_DTYPES))
     parser.add_argument("--builds", nargs="*", default=[])
+    parser.add_argument("--isas", nargs="*", default=[], choices=kernels.supported_isas())
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="only 1 and 4 rows (decode and verification steps)")
     args = parser.parse_args()
@@ -44,6 +47,8 @@ def main() -> None:
     for build in args.builds:
         module = kernels.import_built(root / build / f"specdecode_cpu_{build}.so")
         runs.update({f"{fmt}@{build}": (kernels.Kernels(module, native.isa), fmt) for fmt in args.formats})
+    for isa in args.isas:
+        runs.update({f"{fmt}@{isa}": (kernels.Kernels(native.module, isa), fmt) for fmt in args.formats})
     print(f"isa {native.isa}, threads {torch.get_num_threads()}, kernels {kernels.build_id()}")
     for ctx, rows, n_layers in [case for case in CASES if not args.quick or case[1] in DECODE_ROWS]:
         n = ctx + rows

@@ -65,6 +65,8 @@ def main() -> None:
                         help="the linear layers' arithmetic: the prompt's (bfloat16 tiles on AMX; what a prefill "
                              "runs) and/or decoding's (int8), each timed in turn")
     parser.add_argument("--builds", nargs="*", default=[], help="earlier kernel builds to alternate with this one")
+    parser.add_argument("--isas", nargs="*", default=[], choices=kernels.supported_isas(),
+                        help="other code paths of this build to alternate with the best one (e.g. avx512-vnni)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=str, help="append one JSON line per length to this file")
     args = parser.parse_args()
@@ -74,6 +76,7 @@ def main() -> None:
     native = model.ops.kernels
     root = Path.home() / ".cache/specdecode/kernels"
     builds = {kernels.build_id(): native}
+    builds.update({f"{kernels.build_id()}@{isa}": kernels.Kernels(native.module, isa) for isa in args.isas})
     for build in args.builds:
         builds[build] = kernels.Kernels(kernels.import_built(root / build / f"specdecode_cpu_{build}.so"), native.isa)
     cpu = capability()
@@ -96,7 +99,7 @@ def main() -> None:
             "other_s": round(total - linear - attention, 2),
             "linear_gmacs_per_s": round(linear_macs / linear / 1e9, 1),
             "attention_gmacs_per_s": round(attention_macs / attention / 1e9, 1),
-            "isa": native.isa, "kv_cache": args.kv_cache or "default", "arithmetic": arithmetic, "build": build,
+            "isa": builds[build].isa, "kv_cache": args.kv_cache or "default", "arithmetic": arithmetic, "build": build,
         }
         print(json.dumps(record), flush=True)
         if args.json:

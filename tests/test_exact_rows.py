@@ -165,7 +165,7 @@ def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, h
     mask = torch.ones(b, q, keys, dtype=torch.bool)
     mask[0, :, context:] = tree  # batch row 0: a tree after the context
     mask[1, :, context:] = torch.ones(q, q, dtype=torch.bool).tril()  # batch row 1: causal (a prompt's tail)
-    mask[1, 5, 100:900] = False  # a hole in the shared context
+    mask[1, 5, 101:900] = False  # a hole in the shared context (an odd shared run: bfloat16 pairs cross it)
     out = on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, 0.125)  # [B, q, Hq*D]
     for row in range(b):
         for i in range(q):
@@ -178,18 +178,26 @@ def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, h
     assert_attention_close(out, expected_attention(queries, k_cache, v_cache, mask, keys, 0.125), kv_dtype)
 
 
-TILE_PATHS = [isa for isa in PATHS if isa.startswith("avx512")]
+AVX512_PATHS = [isa for isa in PATHS if isa.startswith("avx512")]
 
 
-@pytest.mark.skipif(len(TILE_PATHS) < 2, reason=f"AMX is not available here (paths: {PATHS})")
+def shares_bits(a: str, b: str, kv_dtype: torch.dtype) -> bool:
+    """Whether two AVX-512 paths give the same attention bits: all of them do, except that with BF16 (and on AMX,
+    which has it) an int8 cache's value sums run in bfloat16 pairs."""
+    return kv_dtype != torch.int8 or (a == "avx512-vnni") == (b == "avx512-vnni")
+
+
+@pytest.mark.skipif(len(AVX512_PATHS) < 2, reason=f"fewer than two AVX-512 paths run here (paths: {PATHS})")
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq, hkv, d, q", [(6, 2, 128, 13), (6, 2, 128, 1), (16, 1, 64, 5), (3, 1, 256, 9)])
-def test_attention_with_amx_gives_the_avx512_bits(kv_dtype, hq, hkv, d, q):
+def test_the_avx512_paths_give_the_same_attention_bits(kv_dtype, hq, hkv, d, q):
     """AMX's key dot products (int8 cache) are the exact integers AVX-512 VNNI computes, and the rest of the tile is
-    shared: the AMX and AVX-512 paths give the same bits for every row. (The AVX2 and scalar rows reduce floats in
-    8-lane and scalar order, so their attention differs from these in the last bits.)"""
+    shared: AMX and AVX-512 BF16 give the same bits for every row, and AVX-512 VNNI too except for an int8 cache's
+    value sums (float32 FMAs there, bfloat16 pairs with BF16: close, and not the same bits, which shows the pairs
+    ran). (The AVX2 and scalar rows reduce floats in 8-lane and scalar order, so their attention differs from these
+    in the last bits.)"""
     torch.manual_seed(3)
-    b, context = 2, 1200
+    b, context = 2, 1201
     keys = context + q
     queries = torch.randn(b, hq, q, d)
     k_cache = cache_of(torch.randn(b, hkv, keys, d), kv_dtype)
@@ -198,9 +206,13 @@ def test_attention_with_amx_gives_the_avx512_bits(kv_dtype, hq, hkv, d, q):
     mask[0, :, context:] = ancestor_mask(torch.tensor([-1] + [i // 2 for i in range(q - 1)]))  # a tree
     mask[1, :, context:] = torch.ones(q, q, dtype=torch.bool).tril()  # a prompt's causal rows
     mask[1, 0, 37:501] = False  # a hole
-    outputs = {isa: on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, d**-0.5) for isa in TILE_PATHS}
+    outputs = {isa: on(isa).tree_attention(queries, k_cache, v_cache, mask, keys, d**-0.5) for isa in AVX512_PATHS}
+    first = AVX512_PATHS[0]
     for isa, out in outputs.items():
-        assert torch.equal(out, outputs[TILE_PATHS[0]]), f"{isa} differs from {TILE_PATHS[0]}"
+        if shares_bits(isa, first, kv_dtype):
+            assert torch.equal(out, outputs[first]), f"{isa} differs from {first}"
+        else:
+            assert not torch.equal(out, outputs[first]) and (out - outputs[first]).norm() <= 0.01 * out.norm()
 
 
 @pytest.mark.parametrize("isa", PATHS)

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-ISAS = ("scalar", "avx2", "avx512-vnni", "avx512-amx")  # index = the code the C++ side takes
+ISAS = ("scalar", "avx2", "avx512-vnni", "avx512-bf16", "avx512-amx")  # index = the code the C++ side takes
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 _ISA_FLAGS = {
     "avx512-amx": _AVX512 | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"},
+    "avx512-bf16": _AVX512 | {"avx512_bf16"},  # VNNI + BF16: an int8 cache's value sums in bfloat16 pairs
     "avx512-vnni": _AVX512,
     "avx2": {"avx2", "fma", "f16c"},
     "scalar": set(),
@@ -99,8 +100,8 @@ def _amx_permitted() -> bool:
 
 
 def best_isa() -> str:
-    """The fastest code path this CPU runs; SPECDECODE_ISA=avx512-vnni|avx2|scalar forces a slower one (tests,
-    comparisons)."""
+    """The fastest code path this CPU runs; SPECDECODE_ISA=avx512-bf16|avx512-vnni|avx2|scalar forces a slower one
+    (tests, comparisons)."""
     flags = cpu_flags()
     supported = supported_isas()
     forced = os.environ.get("SPECDECODE_ISA")
@@ -205,7 +206,7 @@ def _build(isa: str) -> Kernels | None:
         _state["reason"] = f"could not build cpu.cpp: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
         return None
     if isa == "avx512-amx" and not module.amx_built():  # a compiler without AMX's intrinsics built it
-        isa = "avx512-vnni"
+        isa = "avx512-bf16"
     return Kernels(module, isa)
 
 

@@ -46,7 +46,7 @@ constexpr int FAR_ROWS_AVX512 = 4;       // up to this many rows a pass (AVX-512
 constexpr int FAR_ROWS_AVX2 = 2;         // (AVX2: its int8 products cost twice the instructions)
 constexpr int64_t ROW_BLOCK = 128;  // rows per pass over the weights (quant_linear)
 
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AMX = 3 };  // AMX: AVX-512 VNNI as well
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX = 4 };  // each has the ones below it (AMX: BF16 too)
 
 // Requests a weight block's cache lines PREFETCH blocks ahead into L1 and, with `far`, PREFETCH_L2 bytes ahead into L2:
 // with few rows a pass over the weights waits on memory, and the hardware prefetcher alone keeps too few lines in
@@ -1294,6 +1294,130 @@ WeighFn<T> weigh_fn(int m, std::index_sequence<I...>) {
   return table[m - 1];
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+
+// Value sums against an int8 cache in bfloat16 pairs (AVX-512 BF16, vdpbf16ps): vector m's weight of its visible
+// value j is w(m, j) = bf16(p(m, j) * scale(j)); a value's codes are exact in bfloat16; one instruction adds
+// w(m, 2k) * v(2k) + w(m, 2k + 1) * v(2k + 1) to sixteen float32 lanes, pair after pair in visible order. Twice the
+// multiply-adds of an FMA and no per-value scaling: the float32 value sums had cost four times the instructions of
+// the VNNI key dots. Pairs are by visible index, so a row's sums do not depend on where its tile's shared run ends.
+
+// Values c*16 .. c*16+15 of two cache entries as 16 bfloat16 pairs (lane i: entry a's value i, entry b's).
+inline __m512bh value_pairs(const int8_t* a, const int8_t* b, int64_t c) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * c));
+  const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * c));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(x, y)));  // a0 b0 .. a7 b7
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(x, y)));  // a8 b8 .. a15 b15
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// acc[m][c0 .. c0+S) (running sums in memory between runs) += the pairs of a run of values (run.count even: visible
+// indices first .. first + count - 1, first even); w16 in the scores layout holds the bfloat16 weights, so vector m's
+// pair (j, j + 1) is the 32 bits at w16 + score_at(vectors, m, j).
+template <int M, int S>
+void weigh_pairs(const uint16_t* w16, int64_t vectors, const int8_t* values, int64_t value_stride, KeyRun run,
+                 int64_t first, int64_t d, int64_t c0, float* acc_out) {
+  __m512 acc[M][S];
+#pragma GCC unroll 24
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
+  for (int64_t j = 0; j < run.count; j += 2) {
+    const int8_t* a = values + run.key(j) * value_stride;
+    const int8_t* b = values + run.key(j + 1) * value_stride;
+    if (run.list == nullptr && c0 == 0) {  // the first pass over a block brings the entries in
+      for (int64_t line = 0; line < 2 * value_stride; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(a) + KEYS_AHEAD * value_stride + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a) + BYTES_AHEAD_L2 + line, _MM_HINT_T1);
+      }
+    }
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(w16 + score_at(vectors, 0, first + j));  // m's at w[m * 8]
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) {
+      const __m512bh v = value_pairs(a, b, c0 + c);
+#pragma GCC unroll 24
+      for (int m = 0; m < M; ++m)
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(static_cast<int>(w[m * 8])), v);
+    }
+  }
+#pragma GCC unroll 24
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
+}
+
+// weigh_run's blocks and passes, in pairs.
+template <int M>
+void weigh_pairs_run(const uint16_t* w16, int64_t vectors, const int8_t* values, int64_t value_stride, KeyRun run,
+                     int64_t first, int64_t d, float* acc_out) {
+  constexpr int SPAN = M >= 24 ? 1 : 24 / M;
+  const int64_t chunks = d / 16;
+  const int64_t block = std::max<int64_t>(16, VALUE_BLOCK_BYTES / value_stride / 2 * 2);  // even
+  for (int64_t j0 = 0; j0 < run.count; j0 += block) {
+    const KeyRun part{run.list ? run.list + j0 : nullptr, run.list ? 0 : run.first + j0,
+                      std::min(block, run.count - j0)};
+    int64_t c0 = 0;
+    for (; c0 + SPAN <= chunks; c0 += SPAN)
+      weigh_pairs<M, SPAN>(w16, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
+    for (; c0 < chunks; ++c0) weigh_pairs<M, 1>(w16, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
+  }
+}
+
+using PairsFn = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, KeyRun, int64_t, int64_t, float*);
+template <size_t... I>
+PairsFn pairs_fn(int m, std::index_sequence<I...>) {
+  static const PairsFn table[] = {weigh_pairs_run<int(I) + 1>...};
+  return table[m - 1];
+}
+
+// Vector m's weights w(m, j) = bf16(p(m, j) * scale(j)) for visible j < n, stored in the scores layout (lanes past
+// n are zero: the softmax zeroed their probabilities). scales[j]: the scale of visible value j, for j < n rounded up
+// to 16.
+inline void pair_weights(const float* probs, int64_t vectors, int64_t m, int64_t n, const float* scales,
+                         uint16_t* w16) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t at = score_at(vectors, m, j);
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(probs + at), _mm512_loadu_ps(scales + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16 + at), (__m256i)_mm512_cvtneps_pbh(w));
+  }
+}
+
+// The value sums of attend_tile_avx512 against an int8 cache, in bfloat16 pairs: the shared run's pairs for every
+// vector of the tile, then each row's own pairs (an odd shared run's last value first, then its tail). sums [M, D]
+// zeroed; probs: the softmax's unnormalized probabilities in the scores layout.
+void weigh_tile_pairs(const float* probs, int rows, int heads, const int8_t* values, int64_t value_stride,
+                      int64_t shared, const std::vector<std::vector<int64_t>>& tails, int64_t d, float* sums,
+                      std::vector<uint16_t>& w16, std::vector<float>& scales, std::vector<int64_t>& own) {
+  const int m_all = rows * heads;
+  int64_t longest = 0;
+  for (int r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, tails[r].size());
+  const int64_t padded = (shared + longest + 16) / 16 * 16;  // one more visible index for a pad
+  w16.resize(padded * m_all);  // the scores layout
+  scales.resize(padded);
+  for (int64_t j = 0; j < shared; ++j) scales[j] = entry_scale(values + j * value_stride, d);
+  for (int r = 0; r < rows; ++r) {  // each row's tail after the shared scales, the same for its heads
+    const std::vector<int64_t>& tail = tails[r];
+    for (size_t i = 0; i < tail.size(); ++i) scales[shared + i] = entry_scale(values + tail[i] * value_stride, d);
+    std::fill(scales.begin() + shared + tail.size(), scales.end(), 0.f);
+    for (int g = 0; g < heads; ++g)
+      pair_weights(probs, m_all, r * heads + g, shared + tail.size(), scales.data(), w16.data());
+  }
+  const auto all = std::make_index_sequence<TILE_VECTORS>();
+  const int64_t even = shared / 2 * 2;
+  pairs_fn(m_all, all)(w16.data(), m_all, values, value_stride, KeyRun{nullptr, 0, even}, 0, d, sums);
+  for (int r = 0; r < rows; ++r) {
+    own.assign(tails[r].begin(), tails[r].end());
+    if (shared % 2) own.insert(own.begin(), shared - 1);
+    if (own.empty()) continue;
+    if (own.size() % 2) own.push_back(own.back());  // the pad: weight 0
+    pairs_fn(heads, all)(w16.data() + r * heads * 16, m_all, values, value_stride,
+                         KeyRun{own.data(), 0, static_cast<int64_t>(own.size())}, even, d, sums + r * heads * d);
+  }
+}
+
+#pragma GCC pop_options
+
 // Which keys each row of a tile sees: `shared` = keys [0, shared) that every row sees (read once for all rows),
 // then each row's own further keys in order (tails[r]).
 struct TileKeys {
@@ -1305,10 +1429,12 @@ struct TileKeys {
 // (vector m = row m / heads, head m % heads); out[r] points at row r's first head's output. Every (row, head) gets
 // exactly the arithmetic it gets alone: the same scores, maximum, softmax total and value sums, in the same order
 // (shared keys, then its tail); only the loads are shared.
+// bf16_values (int8 cache, AVX-512 BF16): the value sums in bfloat16 pairs (weigh_tile_pairs).
 template <typename T>
 void attend_tile_avx512(const TileQueries& queries, int rows, int heads, const T* keys, const T* values,
                         int64_t key_stride, int64_t value_stride, const TileKeys& tile, int64_t d, float scale,
-                        float* const* out, std::vector<float>& scores, std::vector<float>& sums) {
+                        float* const* out, std::vector<float>& scores, std::vector<float>& sums, bool bf16_values,
+                        std::vector<uint16_t>& w16, std::vector<float>& pair_scales, std::vector<int64_t>& own) {
   const int m_all = rows * heads;
   int64_t longest = 0;
   for (int r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, tile.tails[r].size());
@@ -1329,12 +1455,17 @@ void attend_tile_avx512(const TileQueries& queries, int rows, int heads, const T
   for (int m = 0; m < m_all; ++m)
     inverse[m] = softmax_vector(scores.data(), m_all, m, tile.shared + tile.tails[m / heads].size(),
                                 _mm512_reduce_max_ps(best[m]));
-  weigh_fn<T>(m_all, all)(scores.data(), m_all, values, value_stride, shared, 0, d, sums.data());
-  for (int r = 0; r < rows; ++r) {
-    const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
-    if (tail.count)
-      weigh_fn<T>(heads, all)(scores.data() + r * heads * 16, m_all, values, value_stride, tail, tile.shared, d,
-                              sums.data() + r * heads * d);
+  if (std::is_same_v<T, int8_t> && bf16_values) {
+    weigh_tile_pairs(scores.data(), rows, heads, reinterpret_cast<const int8_t*>(values), value_stride, tile.shared,
+                     tile.tails, d, sums.data(), w16, pair_scales, own);
+  } else {
+    weigh_fn<T>(m_all, all)(scores.data(), m_all, values, value_stride, shared, 0, d, sums.data());
+    for (int r = 0; r < rows; ++r) {
+      const KeyRun tail{tile.tails[r].data(), 0, static_cast<int64_t>(tile.tails[r].size())};
+      if (tail.count)
+        weigh_fn<T>(heads, all)(scores.data() + r * heads * 16, m_all, values, value_stride, tail, tile.shared, d,
+                                sums.data() + r * heads * d);
+    }
   }
   for (int m = 0; m < m_all; ++m) {
     const __m512 inv = _mm512_set1_ps(inverse[m]);
@@ -1793,6 +1924,9 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
     std::vector<int64_t> prefixes;
     std::vector<float> query_buf, scores, sums, factors, query_rows, value_floats;
     std::vector<int8_t> code_buf, amx_buf;
+    std::vector<uint16_t> pair_weights_buf;
+    std::vector<float> pair_scales;
+    std::vector<int64_t> own_pairs;
     std::vector<int32_t> code_sums;
     QueryCodes query_codes;
     std::vector<float*> outs;
@@ -1849,7 +1983,8 @@ void attention_tiled(const torch::Tensor& queries, const torch::Tensor& keys, co
                                   key_dots_amx ? amx_buf.data() : nullptr};
         if (isa >= AVX512)
           attend_tile_avx512<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile,
-                                d, float(scale), outs.data(), scores, sums);
+                                d, float(scale), outs.data(), scores, sums, isa >= AVX512_BF16, pair_weights_buf,
+                                pair_scales, own_pairs);
         else
           attend_tile_avx2<T>(queries, static_cast<int>(n_rows), heads, head_keys, head_values, ks[2], vs[2], tile, d,
                               float(scale), outs.data(), scores, sums, query_rows, value_floats);
