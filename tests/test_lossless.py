@@ -155,6 +155,6 @@ def test_draft_quant_changes_the_draft_model_only(smollm2, monkeypatch, capsys):
                  "float32", "--chat", "--prompt", REAL_PROMPTS[0], "--max-new-tokens", "32", "--compare",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert loaded[:2] == ["none", "int4"]  # target, then draft model (--compare loads plain decoding after)
+    assert loaded[:2] == ["auto", "int4"]  # target, then draft model (--compare loads plain decoding after)
     assert out["identical"] is True
     assert out["speculative"]["acceptance_rate"] > 0.5  # int4 weights of the same model mostly agree with it

@@ -31,8 +31,8 @@ def free_port() -> int:
 def start_server(*extra: str):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--model", MODEL, "--drafter", "pld", "--dtype", "float32",
-         "--port", str(port), "--api-key", KEY, *extra],
+        [sys.executable, "-m", "specdecode.cli", "serve", "--model", MODEL, "--drafter", "pld", "--port", str(port),
+         "--api-key", KEY, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),  # the test process shares the CPU: no thread waits at a barrier
     )
@@ -60,7 +60,7 @@ def server(smollm2):  # smollm2: pulled before the server starts
 
 @pytest.fixture(scope="module")
 def hf_server(smollm2):  # the transformers backend, whose forward_batch runs a batch as one padded forward
-    yield from start_server("--backend", "hf")
+    yield from start_server("--backend", "hf", "--dtype", "float32")
 
 
 @pytest.fixture()
@@ -68,9 +68,10 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def cli_answer(capsys) -> dict:
-    assert main(["generate", "--model", MODEL, "--chat", "--prompt", QUESTION, "--dtype", "float32",
-                 "--max-new-tokens", "40", "--json"]) == 0
+def cli_answer(capsys, *extra: str) -> dict:
+    """`specdecode generate` in the default configuration (the server's: no --dtype, no --quant)."""
+    assert main(["generate", "--model", MODEL, "--chat", "--prompt", QUESTION, "--max-new-tokens", "40", "--json",
+                 *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -112,7 +113,7 @@ def test_sampling_through_the_server_is_the_engines_sampling(client, capsys):
                                          seed=seed, max_tokens=12).choices[0].text
 
     assert main(["generate", "--model", MODEL, "--drafter", "pld", "--prompt", "Once upon a time", "--temperature",
-                 "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "12", "--dtype", "float32", "--json"]) == 0
+                 "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "12", "--json"]) == 0
     assert sampled(3) == json.loads(capsys.readouterr().out)["text"]
     assert len({sampled(seed) for seed in (3, 4, 5, 6)}) > 1  # the seed is used: sampling, not greedy
 
@@ -170,6 +171,27 @@ def test_an_abandoned_request_is_cancelled(server):
     while httpx.get(server + "/health").json()["active_requests"] and time.time() < deadline:
         time.sleep(0.1)
     assert httpx.get(server + "/health").json()["active_requests"] == 0
+
+
+def test_identical_concurrent_requests_answer_as_one_request_and_plain_decoding(server, client, capsys):
+    """The default configuration (no --dtype, no --quant: int8 weights on the row-exact kernels) is batch-invariant:
+    four identical greedy requests at once, batched with each other's drafts, each get the answer of one request
+    alone and of plain decoding (`generate --drafter none`)."""
+    plain = cli_answer(capsys, "--drafter", "none")["text"]
+    ask = lambda: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40
+    ).choices[0].message.content
+    alone = ask()
+    before = httpx.get(server + "/health").json()
+    answers: list[str] = []
+    threads = [threading.Thread(target=lambda: answers.append(ask())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    after = httpx.get(server + "/health").json()
+    assert answers == [plain] * 4 and alone == plain
+    assert after["batched_requests"] - before["batched_requests"] > after["batches"] - before["batches"]
 
 
 @pytest.mark.parametrize("backend_server", ["server", "hf_server"])

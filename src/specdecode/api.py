@@ -52,7 +52,7 @@ class SpecDecoder:
         draft_model: str | CausalLM | None = None,
         dtype: str = "bfloat16",
         backend: str = "auto",
-        quant: str = "none",
+        quant: str = "auto",
         draft_quant: str | None = None,  # the draft model's weights (default: quant); the output does not depend on it
         governor: bool = True,  # run plain steps where speculation does not pay (see governor.py)
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,  # earlier requests' KV kept for reuse (0: none)

@@ -58,11 +58,14 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
         help="native: our CPU model files (llama, qwen2); hf: transformers; auto: native where supported",
     )
     parser.add_argument(
-        "--quant", default="none", choices=["none", "int8", "int4"],
-        help="weight-only quantization of target and draft model (native backend; none = --dtype weights)",
+        "--quant", default="auto", choices=["auto", "none", "int8", "int4"],
+        help="weights of target and draft model. int8/int4 (native backend) run on the row-exact kernels: answers "
+             "are bit-exact whatever the batch or the draft. none = --dtype weights on torch's kernels, whose "
+             "rounding changes with the rows beside a row (speculative and batched answers can then differ from "
+             "plain ones). auto (default): int8 where the native backend runs the model, else none",
     )
     parser.add_argument(
-        "--draft-quant", choices=["none", "int8", "int4"],
+        "--draft-quant", choices=["auto", "none", "int8", "int4"],
         help="the draft model's own weights (default: --quant); only speed depends on it, never the output",
     )
     parser.add_argument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..models.loading import AUTO_QUANT
 from . import long_suite
 from .metrics import BASELINE, aggregate
 from .questions import GROUP_TITLES as SPEC_BENCH_TITLES
@@ -32,6 +33,10 @@ def metrics_by_length(records: list[dict], methods: list[str], groups: list[str]
     return {label: aggregate([r for r in records if r.get("length") == label], methods, groups) for label in labels}
 
 
+def weights_label(quant: str) -> str:
+    return f"auto ({AUTO_QUANT} on the native backend)" if quant == "auto" else quant
+
+
 def _fmt(value, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
@@ -42,7 +47,8 @@ def markdown(config, table: dict, groups: list[str], machine: dict, when: str, r
     sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature}"
     llama_cpp = any(m.startswith("llama.cpp") for m in config.methods)
     lines = [
-        f"# specdecode bench: {config.model}, {config.dtype}, backend {config.backend}, weights {config.quant}"
+        f"# specdecode bench: {config.model}, {config.dtype}, backend {config.backend}, "
+        f"weights {weights_label(config.quant)}"
         + (f" (draft models {config.draft_quant})" if config.draft_quant else "") + f", {sampling}",
         "",
         f"- Date: {when}",

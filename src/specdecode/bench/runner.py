@@ -41,7 +41,7 @@ class BenchConfig:
     verification: str = "block"  # sampled chains (sampling.VERIFICATIONS); a method's +verify=... overrides it
     dtype: str = "bfloat16"
     backend: str = "auto"
-    quant: str = "none"
+    quant: str = "auto"
     draft_quant: str | None = None  # draft models' weights (default: quant)
     kv_cache: str = "auto"  # the KV cache's format (cache/kv.py KV_CACHES)
     repeats: int = 1

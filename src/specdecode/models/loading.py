@@ -17,6 +17,11 @@ from . import packaged
 from .base import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --quant auto on the native backend. Quantized weights run on the row-exact kernels: a row's numbers do not depend
+# on the rows beside it (a draft tree, a server batch), so speculative and batched answers are plain decoding's bit
+# for bit. int8 (Q8_0-like) is the one whose quality is float's (benchmarks/weight_format_quality.py); float
+# weights run on torch's kernels, whose rounding changes with the number of rows.
+AUTO_QUANT = "int8"
 
 
 def resolve(spec: str) -> str | Path:
@@ -92,10 +97,12 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 BACKENDS = ("auto", "native", "hf")
 
 
-def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "auto", quant: str = "none",
+def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "auto", quant: str = "auto",
                kv_cache: str = "auto") -> CausalLM:
     """backend: native (our model files; --quant applies), hf (transformers), auto (native where the family has a
-    native file and the weights are local, else hf). kv_cache: the KV cache's format (cache/kv.py KV_CACHES)."""
+    native file and the weights are local, else hf). quant: none (weights in `dtype`), int8, int4, or auto:
+    AUTO_QUANT where the native backend runs the model (bit-exact rows, so answers that do not depend on the batch
+    or the draft), else none. kv_cache: the KV cache's format (cache/kv.py KV_CACHES)."""
     if isinstance(spec, CausalLM):
         return spec
     check_load_options(dtype, backend, quant, kv_cache)
@@ -110,9 +117,9 @@ def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "au
         if backend != "hf" and isinstance(source, Path):
             from . import native
 
-            model = native.load(source, tokenizer, spec, DTYPES[dtype], quant)
+            model = native.load(source, tokenizer, spec, DTYPES[dtype], AUTO_QUANT if quant == "auto" else quant)
         if model is None:
-            _check_fallback(spec, backend, quant)
+            _check_fallback(spec, backend, "none" if quant == "auto" else quant)
             model = _load_transformers(source, tokenizer, spec, dtype)
     except SpecDecodeError:
         raise
@@ -130,11 +137,11 @@ def load_model(spec: str | CausalLM, dtype: str = "bfloat16", backend: str = "au
 def check_load_options(dtype: str, backend: str, quant: str, kv_cache: str = "auto") -> None:
     from .native import QUANTS
 
-    for what, value, choices in (("dtype", dtype, DTYPES), ("backend", backend, BACKENDS), ("quant", quant, QUANTS),
-                                 ("KV cache format", kv_cache, KV_CACHES)):
+    for what, value, choices in (("dtype", dtype, DTYPES), ("backend", backend, BACKENDS),
+                                 ("quant", quant, ("auto", *QUANTS)), ("KV cache format", kv_cache, KV_CACHES)):
         if value not in choices:
             raise SpecDecodeError(f"unknown {what} '{value}'.", f"Choose one of: {', '.join(choices)}.")
-    if backend == "hf" and quant != "none":
+    if backend == "hf" and quant not in ("none", "auto"):
         raise SpecDecodeError(f"--quant {quant} needs the native backend.", "Drop --backend hf, or drop --quant.")
 
 
