@@ -102,11 +102,12 @@ def main() -> None:
     torch.manual_seed(0)
     cpu = capability()
     print(f"# {args.model} on {cpu['model']}, {cpu['threads']} threads, {' '.join(cpu['flags'])}")
-    reference = None
+    reference, data = None, None
     for name in args.formats:
         dtype, quant = FORMATS[name]
         model = load_model(args.model, dtype, quant=quant)
-        data = examples(model.tokenizer, args.conversations, args.max_tokens)
+        if data is None:  # every format has the model's tokenizer: the same token ids
+            data = examples(model.tokenizer, args.conversations, args.max_tokens)
         result = measure(model, data, reference)
         if name == "float32":
             reference = result["choices"]

@@ -1214,6 +1214,25 @@ inline float softmax_vector(float* scores, int64_t vectors, int64_t m, int64_t n
   return 1.f / reduce16(total);
 }
 
+// A value pass's M x S running sums in registers: vector m's chunk c0 + c, held at acc_out + m * d + 16 * (c0 + c)
+// between passes (inlined always, or GCC keeps the accumulators in memory).
+template <int M, int S>
+__attribute__((always_inline)) inline void load_sums(__m512 (&acc)[M][S], const float* acc_out, int64_t d,
+                                                     int64_t c0) {
+#pragma GCC unroll 24
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
+}
+template <int M, int S>
+__attribute__((always_inline)) inline void store_sums(const __m512 (&acc)[M][S], float* acc_out, int64_t d,
+                                                      int64_t c0) {
+#pragma GCC unroll 24
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 24
+    for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
+}
+
 // acc[m][c0 .. c0+S) (running sums in memory between runs) += p(m, j) * value(j) over a run of values in order, S
 // chunks of 16 at a time; p(m, j) is vector m's probability at visible index first + j (the scores layout; probs
 // points at vector 0 of M). S is a constant so that the M * S sums stay in registers.
@@ -1221,10 +1240,7 @@ template <int M, int S, typename T>
 void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t value_stride, KeyRun run,
                 int64_t first, int64_t d, int64_t c0, float* acc_out) {
   __m512 acc[M][S];
-#pragma GCC unroll 24
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 24
-    for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
+  load_sums(acc, acc_out, d, c0);
   for (int64_t j = 0; j < run.count; ++j) {
     const T* value = values + run.key(j) * value_stride;
     if (run.list == nullptr && (c0 == 0 || !std::is_same_v<T, int8_t>)) {  // an int8 entry's first pass takes it all
@@ -1245,14 +1261,26 @@ void weigh_pass(const float* probs, int64_t vectors, const T* values, int64_t va
       for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[m * 16]), v, acc[m][c]);
     }
   }
-#pragma GCC unroll 24
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 24
-    for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
+  store_sums(acc, acc_out, d, c0);
 }
 
 constexpr int64_t VALUE_BLOCK_BYTES = 16384;  // values per block of a run: with their probabilities, what stays in L1
                                               // across the passes over D
+
+// A run of values by blocks of `block` values (which stay in L1), and for each block the passes over D's `chunks`
+// chunks of 16: as many at a time as registers hold sums for M vectors (SPAN), then single chunks.
+// pass(std::integral_constant<int, chunks of this pass>, the block's run, its first index j0, the first chunk c0).
+template <int M, typename Pass>
+inline void value_passes(KeyRun run, int64_t block, int64_t chunks, Pass pass) {
+  constexpr int SPAN = M >= 24 ? 1 : 24 / M;
+  for (int64_t j0 = 0; j0 < run.count; j0 += block) {
+    const KeyRun part{run.list ? run.list + j0 : nullptr, run.list ? 0 : run.first + j0,
+                      std::min(block, run.count - j0)};
+    int64_t c0 = 0;
+    for (; c0 + SPAN <= chunks; c0 += SPAN) pass(std::integral_constant<int, SPAN>(), part, j0, c0);
+    for (; c0 < chunks; ++c0) pass(std::integral_constant<int, 1>(), part, j0, c0);
+  }
+}
 
 // acc[m] (M running sums [D] each) += p(m, j) * value(j) over a run of values in order: by blocks of values that stay
 // in L1, for each block passes of as many D chunks as registers hold for M vectors, then single chunks (each pass
@@ -1261,18 +1289,10 @@ constexpr int64_t VALUE_BLOCK_BYTES = 16384;  // values per block of a run: with
 template <int M, typename T>
 void weigh_run(const float* probs, int64_t vectors, const T* values, int64_t value_stride, KeyRun run, int64_t first,
                int64_t d, float* acc_out) {
-  constexpr int SPAN = M >= 24 ? 1 : 24 / M;
-  const int64_t chunks = d / 16;
   const int64_t block = std::max<int64_t>(16, VALUE_BLOCK_BYTES / (value_stride * int64_t(sizeof(T))));
-  for (int64_t j0 = 0; j0 < run.count; j0 += block) {
-    const KeyRun part{run.list ? run.list + j0 : nullptr, run.list ? 0 : run.first + j0,
-                      std::min(block, run.count - j0)};
-    int64_t c0 = 0;
-    for (; c0 + SPAN <= chunks; c0 += SPAN)
-      weigh_pass<M, SPAN, T>(probs, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
-    for (; c0 < chunks; ++c0)
-      weigh_pass<M, 1, T>(probs, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
-  }
+  value_passes<M>(run, block, d / 16, [&](auto span, KeyRun part, int64_t j0, int64_t c0) {
+    weigh_pass<M, decltype(span)::value, T>(probs, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
+  });
 }
 
 constexpr int TILE_VECTORS = 24;  // query vectors (rows x heads) scored together: their sums stay in registers
@@ -1319,10 +1339,7 @@ template <int M, int S>
 void weigh_pairs(const uint16_t* w16, int64_t vectors, const int8_t* values, int64_t value_stride, KeyRun run,
                  int64_t first, int64_t d, int64_t c0, float* acc_out) {
   __m512 acc[M][S];
-#pragma GCC unroll 24
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 24
-    for (int c = 0; c < S; ++c) acc[m][c] = _mm512_loadu_ps(acc_out + m * d + 16 * (c0 + c));
+  load_sums(acc, acc_out, d, c0);
   for (int64_t j = 0; j < run.count; j += 2) {
     const int8_t* a = values + run.key(j) * value_stride;
     const int8_t* b = values + run.key(j + 1) * value_stride;
@@ -1341,27 +1358,17 @@ void weigh_pairs(const uint16_t* w16, int64_t vectors, const int8_t* values, int
         acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(static_cast<int>(w[m * 8])), v);
     }
   }
-#pragma GCC unroll 24
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 24
-    for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc_out + m * d + 16 * (c0 + c), acc[m][c]);
+  store_sums(acc, acc_out, d, c0);
 }
 
 // weigh_run's blocks and passes, in pairs.
 template <int M>
 void weigh_pairs_run(const uint16_t* w16, int64_t vectors, const int8_t* values, int64_t value_stride, KeyRun run,
                      int64_t first, int64_t d, float* acc_out) {
-  constexpr int SPAN = M >= 24 ? 1 : 24 / M;
-  const int64_t chunks = d / 16;
-  const int64_t block = std::max<int64_t>(16, VALUE_BLOCK_BYTES / value_stride / 2 * 2);  // even
-  for (int64_t j0 = 0; j0 < run.count; j0 += block) {
-    const KeyRun part{run.list ? run.list + j0 : nullptr, run.list ? 0 : run.first + j0,
-                      std::min(block, run.count - j0)};
-    int64_t c0 = 0;
-    for (; c0 + SPAN <= chunks; c0 += SPAN)
-      weigh_pairs<M, SPAN>(w16, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
-    for (; c0 < chunks; ++c0) weigh_pairs<M, 1>(w16, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
-  }
+  const int64_t block = std::max<int64_t>(16, VALUE_BLOCK_BYTES / value_stride / 2 * 2);  // even: whole pairs
+  value_passes<M>(run, block, d / 16, [&](auto span, KeyRun part, int64_t j0, int64_t c0) {
+    weigh_pairs<M, decltype(span)::value>(w16, vectors, values, value_stride, part, first + j0, d, c0, acc_out);
+  });
 }
 
 using PairsFn = void (*)(const uint16_t*, int64_t, const int8_t*, int64_t, KeyRun, int64_t, int64_t, float*);

@@ -19,8 +19,8 @@ from .base import CausalLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --quant auto on the native backend. Quantized weights run on the row-exact kernels: a row's numbers do not depend
 # on the rows beside it (a draft tree, a server batch), so speculative and batched answers are plain decoding's bit
-# for bit. int8 (Q8_0-like) is the one whose quality is float's (benchmarks/weight_format_quality.py); float
-# weights run on torch's kernels, whose rounding changes with the number of rows.
+# for bit. int8 (Q8_0-like) is the finer of the two quantized formats (its quality against float weights:
+# benchmarks/weight_format_quality.py); float weights run on torch's kernels, whose rounding changes with the rows.
 AUTO_QUANT = "int8"
 
 
