@@ -23,6 +23,7 @@ import torch
 from ..errors import OptionError
 from ..sampling import probs_from_logits
 from ..tree import Draft
+from ..verify import rejection
 from ..verify.rejection import residual
 from .base import Drafter, register
 
@@ -31,7 +32,7 @@ def coupled_draw(token: int, draft_row: torch.Tensor | None, target_probs: torch
     """A sample from target_probs [V], maximally coupled with `token`, itself drawn from draft_row [V]
     (None: a point mass on `token`)."""
     q_tok = 1.0 if draft_row is None else float(draft_row[token])
-    if float(torch.rand((), generator=generator)) * q_tok < float(target_probs[token]):
+    if float(torch.rand((), generator=generator)) < rejection.likelihood_ratio(float(target_probs[token]), q_tok):
         return token
     if draft_row is None:
         draft_row = torch.zeros_like(target_probs)

@@ -26,6 +26,7 @@ import torch
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..tree import PROBE, Draft
 from .base import Verdict, Verifier, verdict
+from . import rejection
 from .rejection import RejectionVerifier
 
 
@@ -39,7 +40,7 @@ def block_weights(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens:
     weights = [1.0]
     for i, token in enumerate(tokens):
         p, q = float(target_probs[i, token]), float(draft_probs[i, token])
-        weights.append(min(1.0, weights[-1] * p / q) if q > 0 else float(p > 0))
+        weights.append(min(1.0, weights[-1] * rejection.likelihood_ratio(p, q)) if q > 0 else float(p > 0))
     return weights
 
 

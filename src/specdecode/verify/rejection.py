@@ -22,6 +22,12 @@ from ..tree import PROBE, Draft, children, with_root
 from .base import Verdict, Verifier, verdict
 
 
+def likelihood_ratio(target_prob: float, draft_prob: float) -> float:
+    """p(x) / q(x) for a token x the draft drew from q (q(x) > 0): the token is accepted with probability
+    min(1, p / q). The one place the acceptance rule lives, for the token-wise, block and Jacobi rules alike."""
+    return target_prob / draft_prob
+
+
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """norm(max(p - q, 0)); keeps p when the difference has no mass (p == q up to rounding)."""
     diff = (target_probs - draft_probs).clamp_(min=0)
@@ -43,7 +49,7 @@ class RejectionVerifier(Verifier):
                 q_row = None if draft.draft_probs is None else draft.draft_probs[child - 1]
                 q_tok = 1.0 if q_row is None else float(q_row[token])
                 p_tok = float(target_probs[token])
-                if float(torch.rand((), generator=generator)) * q_tok < p_tok:
+                if float(torch.rand((), generator=generator)) < likelihood_ratio(p_tok, q_tok):
                     accepted.append(child - 1)
                     node = child
                     target_probs = probs_from_logits(target_logits[child], params)
