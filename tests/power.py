@@ -23,13 +23,17 @@ def chi_square_survival(statistic: float, dof: int, noncentrality: float = 0.0) 
     return float((weights * tails).sum())
 
 
+def boundary(holds, low: float, high: float, steps: int = 200) -> float:
+    """The point in [low, high] where `holds` (true at low, false at high, monotone) turns false, by bisection."""
+    for _ in range(steps):
+        middle = (low + high) / 2
+        low, high = (middle, high) if holds(middle) else (low, middle)
+    return high
+
+
 def critical_value(dof: int, alpha: float) -> float:
     """The statistic a correct sampler exceeds with probability alpha."""
-    low, high = 0.0, dof + 40 * math.sqrt(dof) + 200
-    for _ in range(200):
-        middle = (low + high) / 2
-        low, high = (middle, high) if chi_square_survival(middle, dof) > alpha else (low, middle)
-    return high
+    return boundary(lambda statistic: chi_square_survival(statistic, dof) > alpha, 0.0, dof + 40 * math.sqrt(dof) + 200)
 
 
 def power(divergence: float, samples: int, dof: int, alpha: float) -> float:
@@ -41,10 +45,11 @@ def samples_for(divergence: float, dof: int, alpha: float, wanted_power: float) 
     """The fewest samples with which a test at level alpha fails a sampler shifted by `divergence` with
     probability `wanted_power`."""
     critical = critical_value(dof, alpha)
-    low, high = 0.0, 1.0
-    while chi_square_survival(critical, dof, high) < wanted_power:
+
+    def too_weak(noncentrality: float) -> bool:
+        return chi_square_survival(critical, dof, noncentrality) < wanted_power
+
+    high = 1.0
+    while too_weak(high):
         high *= 2
-    for _ in range(100):
-        middle = (low + high) / 2
-        low, high = (middle, high) if chi_square_survival(critical, dof, middle) < wanted_power else (low, middle)
-    return math.ceil(high / divergence)
+    return math.ceil(boundary(too_weak, 0.0, high, steps=100) / divergence)
