@@ -18,8 +18,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
 from conftest import bpe_tokenizer, tiny_model
-from test_sampling_distribution import (  # engine_setup: the fixture, used by name
-    ALPHA, ENGINE_V, JOINT, chi_square_p_value, engine_counts, engine_setup, exact_joint,  # noqa: F401
+from test_sampling_distribution import (  # engine_setups: the fixture, used by name
+    ALPHA, ENGINE_V, JOINT, chi_square_p_value, engine_counts, engine_setups, exact_joint,  # noqa: F401
 )
 
 
@@ -116,10 +116,10 @@ def test_drafts_from_the_datastore_are_lossless(monkeypatch):
     assert accepted["sharegpt"] > accepted["none"]
 
 
-def test_sampling_from_datastore_drafts_keeps_the_target_distribution(monkeypatch, engine_setup):
+def test_sampling_from_datastore_drafts_keeps_the_target_distribution(monkeypatch, engine_setups):
     """Datastore drafts are deterministic trees (the point-mass rule): sampling with them must still give the
     target's own distribution of the next tokens (the engine check of test_sampling_distribution)."""
-    target, _, prompt, logits = engine_setup
+    target, _, prompt, logits = engine_setups["flat"]
     rng = np.random.default_rng(2)  # the 4-token vocabulary: every context matches, at length 4 or more
     store = Datastore.build([rng.integers(0, ENGINE_V, size=200).tolist() for _ in range(5)])
     monkeypatch.setattr(suffix_module, "datastore", lambda corpus, tokenizer: store)

@@ -4,6 +4,8 @@ themselves compute the right numbers, the same on every code path (AMX, AVX-512 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +18,34 @@ from specdecode.models.native.linear import Linear, dequantize
 from specdecode.tree import Draft, ancestor_mask, with_root
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason="the kernels cannot be built here")
-PATHS = kernels.supported_isas()
+
+
+def not_run_because(isa: str) -> str | None:
+    """Why this machine does not run a code path, or None where it does (its CPU flags, the OS lending AMX, and the
+    build having the AMX code)."""
+    if isa not in kernels.supported_isas():
+        missing = sorted(kernels._ISA_FLAGS[isa] - kernels.cpu_flags())
+        return f"{isa}: this CPU lacks {missing}" if missing else f"{isa}: the OS does not lend this process AMX"
+    if isa == "avx512-amx" and kernels.native() is not None and not kernels.native().module.amx_built():
+        return "avx512-amx: this build has no AMX code (the compiler lacks its intrinsics)"
+    return None
+
+
+PATHS = [isa for isa in kernels.ISAS if not_run_because(isa) is None]  # the paths this machine runs, slowest first
+EVERY_PATH = [  # as a parameter: the paths this machine cannot run are reported as skipped, with the reason
+    pytest.param(isa, marks=pytest.mark.skip(reason=not_run_because(isa))) if not_run_because(isa) else isa
+    for isa in kernels.ISAS
+]
 
 
 def on(isa: str) -> kernels.Kernels:
     return kernels.Kernels(kernels.native().module, isa)
+
+
+@pytest.mark.skipif(bool(os.environ.get("SPECDECODE_ISA")), reason="SPECDECODE_ISA forces a path")
+def test_the_kernels_run_on_the_fastest_path_built():
+    """What native() picks is the last path this machine runs (a build without AMX code says so instead)."""
+    assert kernels.native().isa == PATHS[-1]
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
@@ -39,7 +64,7 @@ def test_quantized_linear_is_exact_per_row_and_path(quant):
     assert all(torch.equal(outputs[0], out) for out in outputs[1:]), f"paths {PATHS} disagree"
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("isa", EVERY_PATH)
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_many_rows_run_in_passes_and_each_row_is_still_computed_alone(isa, quant):
     """A prefill's rows go through the weights in passes of a block of rows (kernels' ROW_BLOCK): a row's numbers
@@ -125,7 +150,7 @@ def test_int8_entries_hold_codes_and_a_scale():
     assert entries[1].tolist() == [0] * 12  # all zero: scale 0, codes 0
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("isa", EVERY_PATH)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
     torch.manual_seed(1)
@@ -146,7 +171,7 @@ def test_tree_attention_matches_sdpa_and_skips_hidden_keys(isa, kv_dtype):
         assert torch.equal(alone[0, 0], out[row, i])
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("isa", EVERY_PATH)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq, hkv", [(6, 2), (3, 1), (7, 1), (4, 4), (16, 1)])
 def test_many_rows_over_a_long_context_equal_each_row_alone(isa, kv_dtype, hq, hkv):
@@ -215,7 +240,7 @@ def test_the_avx512_paths_give_the_same_attention_bits(kv_dtype, hq, hkv, d, q):
             assert not torch.equal(out, outputs[first]) and (out - outputs[first]).norm() <= 0.01 * out.norm()
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("isa", EVERY_PATH)
 def test_row_ops_match_torch_and_are_exact_per_row(isa):
     torch.manual_seed(2)
     x, weight, gate_up = torch.randn(6, 200) * 3, torch.randn(200), torch.randn(6, 2 * 75) * 4
@@ -228,7 +253,7 @@ def test_row_ops_match_torch_and_are_exact_per_row(isa):
         assert torch.equal(ops.glu(gate_up, gelu)[4:5], ops.glu(gate_up[4:5], gelu))
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("isa", EVERY_PATH)
 @pytest.mark.parametrize("pre", [None, "norm", "silu", "gelu"])
 def test_fused_linear_gives_the_separate_ops_bits(isa, pre):
     """A decoder layer's linear step in one native call (input norm or gated activation, linear, bias, output norm,
@@ -258,7 +283,7 @@ def test_fused_linear_gives_the_separate_ops_bits(isa, pre):
     assert torch.equal(bare, ops.quant_linear(x[:, :k].contiguous(), layer.packed, 4)[:, :40])
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("isa", EVERY_PATH)
 @pytest.mark.parametrize("normed, kv_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.int8)])
 def test_attention_step_gives_the_separate_ops_bits(isa, normed, kv_dtype):
     """Query/key norms, rotary, the cache write and attention in one native call: the same numbers as the separate
@@ -334,12 +359,30 @@ def node_paths(draft: Draft, root: int) -> list[list[int]]:
     return paths
 
 
-@pytest.fixture(scope="module", params=["int4", "int8", "int4+bf16", "int4+int8"])
+MODEL_CASES = [  # weights+KV cache@code path: every format on the fastest path, two on each other path
+    *(f"{case}@{PATHS[-1]}" for case in ("int4", "int8", "int4+bf16", "int4+int8")),
+    *(f"{case}@{isa}" for isa in PATHS[:-1] for case in ("int4", "int8+int8")),
+    *(pytest.param(f"int4@{isa}", marks=pytest.mark.skip(reason=not_run_because(isa)))
+      for isa in kernels.ISAS if isa not in PATHS),
+]
+
+
+def load_on_path(isa: str, quant: str, kv_cache: str = "auto"):
+    """SmolLM2 with its kernels bound to one code path (SPECDECODE_ISA while it loads)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDECODE_ISA", isa)
+        model = load_model("smollm2-135m-instruct", "bfloat16", quant=quant, kv_cache=kv_cache)
+    assert model.ops.kernels.isa == isa
+    return model
+
+
+@pytest.fixture(scope="module", params=MODEL_CASES)
 def quantized_smollm2(request, smollm2):
-    """Quantized weights, with a float32 KV cache or (+bf16, +int8) a bfloat16 or int8 one: the rows are exact with
-    each."""
-    quant, _, kv_cache = request.param.partition("+")
-    model = load_model("smollm2-135m-instruct", "bfloat16", quant=quant, kv_cache=kv_cache or "auto")
+    """Quantized weights, with a float32 KV cache or (+bf16, +int8) a bfloat16 or int8 one, on one code path: the
+    rows are exact with each."""
+    formats, _, isa = request.param.partition("@")
+    quant, _, kv_cache = formats.partition("+")
+    model = load_on_path(isa, quant, kv_cache or "auto")
     assert model.new_cache(1).keys.dtype == {"bf16": torch.bfloat16, "int8": torch.int8}.get(kv_cache, torch.float32)
     return model
 
@@ -407,6 +450,29 @@ def test_a_batch_of_requests_equals_each_row_alone_bit_for_bit(quantized_smollm2
     for logits, prompt, draft in zip(batched, prompts, drafts):
         for node, path in enumerate(node_paths(draft, prompt[-1])):
             assert torch.equal(logits[node], one_row_logits(model, prompt[:-1], path))
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(len(PATHS) < 2, reason=f"one code path runs here ({PATHS})")
+def test_every_path_computes_the_same_tree_logits(smollm2):
+    """The whole model on each code path (int4 weights, float32 KV cache, decoding's arithmetic for the prompt too):
+    the AVX-512 paths give the same bits, since their linear layers and attention do; AVX2 and scalar the same
+    numbers up to rounding, since their attention sums floats in another order (and a last-bit difference can move
+    an activation's int8 rounding in the next layer)."""
+    prompt = smollm2.tokenizer("def fibonacci(n):\n    ")["input_ids"]
+    logits = {}
+    for isa in PATHS:
+        model = load_on_path(isa, "int4")
+        cache = model.new_cache(len(prompt) + 16)
+        prefill(model, cache, prompt[:-1], prompt=False)
+        logits[isa] = tree_request(cache, prompt[-1], TREE).run(model)  # [N+1, V]
+    avx512 = [isa for isa in PATHS if isa.startswith("avx512")]
+    for isa in avx512[1:]:
+        assert torch.equal(logits[isa], logits[avx512[0]]), f"{isa} differs from {avx512[0]}"
+    reference = logits[PATHS[-1]]
+    for isa in PATHS:
+        assert (logits[isa] - reference).norm() <= 0.05 * reference.norm(), isa
+        assert torch.equal(logits[isa].argmax(-1), reference.argmax(-1)), isa
 
 
 def test_tree_masks_used_here_are_ancestor_masks():
