@@ -59,6 +59,7 @@ def forced_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
         end = min(start + chunk, len(ids) - 1)
         causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
         rows.append(model.forward(cache, torch.tensor(ids[start:end]), torch.arange(start, end), causal).float())
+        cache.commit_all()  # the next chunk sees these rows as context
     return torch.cat(rows)
 
 

@@ -79,7 +79,7 @@ def test_unknown_paths_get_openai_errors(app):
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
 
 
-def test_soak_under_faults():
+def test_soak_under_faults(smollm2):  # smollm2: pulled first, and skipped with SPECDECODE_SKIP_REAL=1
     """30 s of 4 clients (every fault kind injected): every completed answer is the one served alone, every fault
     is refused cleanly, and afterwards nothing is left on the server, its memory is flat and it still answers."""
     with soak_server(MODEL) as (url, server):
