@@ -154,9 +154,10 @@ def test_top_k_and_top_p_warping():
 # it with the engine's counts. Each case asserts that a depth-3 draft token was accepted in it.
 #
 # The test's size comes from power.py: a sampler whose 4-token joint differs from the exact one by a chi-square
-# divergence of MIN_SHIFT fails it with probability POWER. The target is flat enough (its most likely token ~0.5)
-# that a wrong acceptance rule or draft distribution shifts the joint by more than that: each planted bug below
-# fails at the matrix's own sample count. Every chi-square case of a correct build fails with probability ALPHA,
+# divergence of MIN_SHIFT fails it with probability POWER. Two targets, each setting sampling one: on the flat one a
+# wrong acceptance rule or draft distribution shifts the joint by more than that, on the sharp one (drafts accepted
+# deep) an error at depth 3 or in a tree's later branch does; each planted bug below fails at the matrix's own
+# sample count, on the target of its setting. Every chi-square case of a correct build fails with probability ALPHA,
 # so the whole module fails a correct build with probability at most len(chi-square cases) * ALPHA
 # (SUITE_FALSE_FAILURE, checked below). The seeds are fixed, so a given build passes or fails every time.
 
@@ -164,7 +165,7 @@ ENGINE_V = 4
 JOINT = 4  # new tokens compared
 ATTENTION = 0.3  # the tiny targets' attention scale: weak, so their greedy text repeats and lookups find it
 TARGETS = {  # name: initializer range (the sharpness of its next-token rows)
-    "sharp": 1.0,  # most likely token ~0.9: drafts accepted deep, so errors at depth 3 and in trees' later branches show
+    "sharp": 1.0,  # most likely token ~0.9: drafts accepted deep, so errors at depth 3 and in later branches show
     "flat": 0.2,  # most likely token ~0.6: drafts often rejected, so errors of the acceptance rule and of q show
 }
 SETTINGS = {  # name: (sampling parameters, the target it samples)
@@ -420,7 +421,8 @@ PLANTED_CASES = [  # each where its bug shows: the setting's target decides
 ]
 
 
-@pytest.mark.parametrize("bug,name,variant,setting", PLANTED_CASES, ids=[f"{c[0]}-{case_id(*c[1:])}" for c in PLANTED_CASES])
+@pytest.mark.parametrize("bug,name,variant,setting", PLANTED_CASES,
+                         ids=[f"{case[0]}-{case_id(*case[1:])}" for case in PLANTED_CASES])
 def test_planted_engine_bugs_fail_the_test(engine_setups, monkeypatch, bug, name, variant, setting):
     monkeypatch.setattr(*PLANTED[bug])
     result = engine_case(engine_setups, name, variant, setting)
@@ -484,7 +486,8 @@ def foreign_engine_setup():
     return target, draft_model, prompt, prefix_logits(target, prompt, JOINT)
 
 
-FOREIGN_MATRIX = matrix({name: cls for name, cls in DRAFTERS.items() if cls.supports_sampling and cls.foreign_vocabulary})
+FOREIGN_MATRIX = matrix({name: cls for name, cls in DRAFTERS.items()
+                         if cls.supports_sampling and cls.foreign_vocabulary})
 FOREIGN_N = 1000
 # The first four new tokens' joint over 8 tokens has 4,096 cells: too many for 1,000 samples, so each case tests two
 # of its marginals, the first pair of tokens (the draft's depth 1 against the prefill's token) and the last pair
