@@ -282,8 +282,8 @@ class CaseResult:
     drafted: int  # the deepest draft token proposed, capped at the depth the comparison reaches
 
 
-def engine_counts(target, drafter, prompt, params: SamplingParams, vocab: int, length: int, n: int):
-    """(counts [V] * length of the first `length` new tokens over n seeded generations, deepest accepted draft
+def engine_counts(target, drafter, prompt, params: SamplingParams, vocab: int, length: int, n: int, at: int = 0):
+    """(counts [V] * length of the new tokens at..at+length over n seeded generations, deepest accepted draft
     token, deepest proposed draft token)."""
     counts = torch.zeros([vocab] * length)
     proposed = []
@@ -298,8 +298,8 @@ def engine_counts(target, drafter, prompt, params: SamplingParams, vocab: int, l
     deepest = 0
     for seed in range(n):
         seeded = dataclasses.replace(params, seed=seed)
-        tokens, stats = generate(target, drafter, prompt, length + 1, seeded)
-        counts[tuple(tokens[:length])] += 1
+        tokens, stats = generate(target, drafter, prompt, at + length + 1, seeded)
+        counts[tuple(tokens[at : at + length])] += 1
         deepest = max([deepest, *stats.accepted_per_step])
     del drafter.propose
     return counts, deepest, max(proposed, default=0)
