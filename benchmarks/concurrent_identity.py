@@ -14,22 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 
+from specdecode.serve.soak import server_process
+
 QUESTIONS = ["Write a Python function that checks whether a string is a palindrome.", "Name three primary colors."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plain_answer(model: str, question: str, tokens: int) -> str:
@@ -47,23 +41,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--drafter", args.drafter,
-         "--port", str(port), *shlex.split(args.serve_args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            if server.poll() is not None:
-                sys.exit(f"the server stopped: {server.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            sys.exit("the server never answered /health in 10 minutes")
+    serve = ["-m", "specdecode.cli", "serve", "--model", args.model, "--drafter", args.drafter,
+             *shlex.split(args.serve_args)]
+    with server_process(serve, start_timeout=600) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
         for question in QUESTIONS:
             def ask() -> str:
@@ -88,9 +68,6 @@ def main() -> None:
                 "batches": after["batches"] - before["batches"],
                 "batched_requests": after["batched_requests"] - before["batched_requests"],
                 "answer": alone[:120]}), flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 if __name__ == "__main__":

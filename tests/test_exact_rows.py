@@ -23,18 +23,17 @@ pytestmark = pytest.mark.skipif(kernels.native() is None, reason="the kernels ca
 def not_run_because(isa: str) -> str | None:
     """Why this machine does not run a code path, or None where it does (its CPU flags, the OS lending AMX, and the
     build having the AMX code)."""
-    if isa not in kernels.supported_isas():
-        missing = sorted(kernels._ISA_FLAGS[isa] - kernels.cpu_flags())
-        return f"{isa}: this CPU lacks {missing}" if missing else f"{isa}: the OS does not lend this process AMX"
+    if kernels.unsupported_because(isa):
+        return f"{isa}: {kernels.unsupported_because(isa)}"
     if isa == "avx512-amx" and kernels.native() is not None and not kernels.native().module.amx_built():
         return "avx512-amx: this build has no AMX code (the compiler lacks its intrinsics)"
     return None
 
 
-PATHS = [isa for isa in kernels.ISAS if not_run_because(isa) is None]  # the paths this machine runs, slowest first
+NOT_RUN = {isa: not_run_because(isa) for isa in kernels.ISAS}
+PATHS = [isa for isa, why in NOT_RUN.items() if why is None]  # the paths this machine runs, slowest first
 EVERY_PATH = [  # as a parameter: the paths this machine cannot run are reported as skipped, with the reason
-    pytest.param(isa, marks=pytest.mark.skip(reason=not_run_because(isa))) if not_run_because(isa) else isa
-    for isa in kernels.ISAS
+    pytest.param(isa, marks=pytest.mark.skip(reason=why)) if why else isa for isa, why in NOT_RUN.items()
 ]
 
 
@@ -362,8 +361,7 @@ def node_paths(draft: Draft, root: int) -> list[list[int]]:
 MODEL_CASES = [  # weights+KV cache@code path: every format on the fastest path, two on each other path
     *(f"{case}@{PATHS[-1]}" for case in ("int4", "int8", "int4+bf16", "int4+int8")),
     *(f"{case}@{isa}" for isa in PATHS[:-1] for case in ("int4", "int8+int8")),
-    *(pytest.param(f"int4@{isa}", marks=pytest.mark.skip(reason=not_run_because(isa)))
-      for isa in kernels.ISAS if isa not in PATHS),
+    *(pytest.param(f"int4@{isa}", marks=pytest.mark.skip(reason=why)) for isa, why in NOT_RUN.items() if why),
 ]
 
 

@@ -216,13 +216,13 @@ def engine_setups() -> dict:
     return {name: build_engine_setup(sharpness) for name, sharpness in TARGETS.items()}
 
 
-def build_engine_setup(sharpness: float, seed: int = 5, attention: float = ATTENTION):
+def build_engine_setup(sharpness: float):
     """(target, draft model, prompt, the target's logits after every prompt + prefix of fewer than JOINT tokens);
     the prompt is the target's own greedy continuation, so lookups find what it is likely to say."""
     # the native backend: the same function with less per-forward overhead than transformers
-    hf = tiny_model("llama", seed=seed, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=sharpness)
+    hf = tiny_model("llama", seed=5, vocab=ENGINE_V, layers=1, hidden=16, initializer_range=sharpness)
     with torch.no_grad():
-        hf.model.model.layers[0].self_attn.o_proj.weight.mul_(attention)
+        hf.model.model.layers[0].self_attn.o_proj.weight.mul_(ATTENTION)
     target = native_twin(hf)
     draft_model = perturbed_copy(target, scale=0.1, seed=6)
     start = [1, 2, 3]

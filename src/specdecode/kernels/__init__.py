@@ -99,21 +99,25 @@ def _amx_permitted() -> bool:
     return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
 
 
+def unsupported_because(isa: str) -> str | None:
+    """Why this CPU (its flags) or the OS (lending AMX) does not run a code path; None where it does."""
+    if isa in supported_isas():
+        return None
+    missing = sorted(_ISA_FLAGS[isa] - cpu_flags())
+    return f"this CPU lacks {missing}" if missing else "the OS does not lend this process AMX"
+
+
 def best_isa() -> str:
     """The fastest code path this CPU runs; SPECDECODE_ISA=avx512-bf16|avx512-vnni|avx2|scalar forces a slower one
     (tests, comparisons)."""
-    flags = cpu_flags()
-    supported = supported_isas()
     forced = os.environ.get("SPECDECODE_ISA")
     if forced:
         if forced not in ISAS:
             raise ValueError(f"SPECDECODE_ISA={forced}: use one of {', '.join(ISAS)}")
-        if forced not in supported:
-            missing = sorted(_ISA_FLAGS[forced] - flags)
-            raise ValueError(f"SPECDECODE_ISA={forced}: " + (f"this CPU lacks {missing}" if missing else
-                                                              "the OS does not lend this process AMX"))
+        if unsupported_because(forced):
+            raise ValueError(f"SPECDECODE_ISA={forced}: {unsupported_because(forced)}")
         return forced
-    return supported[-1]
+    return supported_isas()[-1]
 
 
 @dataclass(frozen=True)

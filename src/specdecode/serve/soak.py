@@ -327,16 +327,23 @@ def run_soak(url: str, server_pid: int, clients: int, duration: float, seed: int
 
 @contextmanager
 def soak_server(model: str, drafter: str = "pld", max_batch: int = 8, start_timeout: float = 300) -> Iterator[tuple]:
-    """(url, process) of a soak server on a free loopback port, stopped on exit; its stderr (the tracebacks of the
-    planted faults) goes to a file, not a pipe that could fill and stall it."""
+    """(url, process) of a soak server (the planted drafter fault, serve() below) on a free loopback port, stopped
+    on exit."""
+    with server_process(["-m", "specdecode.serve.soak", "--model", model, "--drafter", drafter,
+                         "--max-batch", str(max_batch)], start_timeout) as running:
+        yield running
+
+
+@contextmanager
+def server_process(arguments: list[str], start_timeout: float = 300) -> Iterator[tuple]:
+    """(url, process) of `python ARGUMENTS --port P` on a free loopback port P, once it answers /health; stopped on
+    exit. Its stderr (tracebacks, planted or not) goes to a file, not a pipe that could fill and stall it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryFile("w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specdecode.serve.soak", "--model", model, "--drafter", drafter,
-             "--port", str(port), "--max-batch", str(max_batch)], stdout=subprocess.DEVNULL, stderr=stderr,
-        )
+        proc = subprocess.Popen([sys.executable, *arguments, "--port", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=stderr)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + start_timeout
@@ -348,13 +355,13 @@ def soak_server(model: str, drafter: str = "pld", max_batch: int = 8, start_time
                     time.sleep(0.3)
                 if proc.poll() is not None or time.time() > deadline:
                     stderr.seek(0)
-                    raise RuntimeError(f"the soak server did not start: {stderr.read()[-2000:]}")
+                    raise RuntimeError(f"the server did not start: {stderr.read()[-2000:]}")
             yield url, proc
         finally:
             proc.terminate()
             try:
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # uvicorn waits for open requests: a failed soak may leave some
+            except subprocess.TimeoutExpired:  # uvicorn waits for open requests: a failed run may leave some
                 proc.kill()
                 proc.wait(timeout=30)
 
